@@ -1,0 +1,58 @@
+"""gpuwire: network-attached GPUs for PyTorch.
+
+``import gpuwire`` registers the ``gpuwire`` device (torch also does this by itself through
+its backend entry point). The first op on the device connects to the node named by
+``GPUWIRE_NODE`` (or ``gpuwire.attach("host:port")``), else starts an embedded CPU node.
+"""
+
+from ._version import __version__
+from .client.errors import ConnectionLost, GpuwireError, NodeUnreachable, RemoteError
+
+__all__ = ["__version__", "attach", "detach", "synchronize", "ConnectionLost", "GpuwireError", "NodeUnreachable",
+           "RemoteError", "device", "stats"]
+
+
+def attach(node: str | None = None, *, token: str | None = None):
+    from .client.device import attach as _attach
+    return _attach(node, token=token)
+
+
+def detach() -> None:
+    from .client.device import detach as _detach
+    _detach()
+
+
+def synchronize() -> None:
+    """Wait for every queued op to finish on the node; raise the first error among them."""
+    from .client.device import current_runtime
+    rt = current_runtime()
+    if rt is not None:
+        rt.synchronize()
+
+
+def stats() -> dict:
+    """Counters of this process's session: round trips, ops sent, bytes moved, live storages."""
+    from .client.device import current_runtime
+    rt = current_runtime()
+    if rt is None:
+        return {"connected": False}
+    return {"connected": True, "node": rt.address, "round_trips": rt.round_trips, "ops_sent": rt.ops_sent,
+            "bytes_sent": rt.bytes_sent, "bytes_received": rt.bytes_received, "live_storages": rt.live_storages}
+
+
+def _register_now() -> None:
+    try:
+        from .client.device import register
+    except ImportError:
+        # gpuwire is being imported from inside torch's own import (backend autoload) while
+        # this module is itself half-imported; the outer import registers at its end
+        return
+    register()
+
+
+_register_now()
+
+
+def device(index: int = 0):
+    import torch
+    return torch.device("gpuwire", index)

@@ -1,0 +1,100 @@
+"""The ``gpuwire`` command line: ``serve`` (a node), ``version``, ``info``.
+
+Sits at the outer edge: parses options, sets up logging, starts the parts in ``node`` and
+``client``. Later commands (pool, run, smi …) join here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Optional
+
+import typer
+
+from ._version import __version__
+
+app = typer.Typer(
+    help="gpuwire: network-attached GPUs for PyTorch.\n\n"
+         "Run `gpuwire serve` on a GPU machine, then point a PyTorch program at it with "
+         "GPUWIRE_NODE=host:port and use torch.device('gpuwire').",
+    no_args_is_help=True, add_completion=False, rich_markup_mode=None)
+
+
+@app.command()
+def serve(
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0 for every interface)."),
+    port: int = typer.Option(7070, help="TCP port (0 picks a free one; the chosen one is printed)."),
+    backend: str = typer.Option("auto", help="auto: CUDA if present, else CPU. cpu: a software GPU. cuda: require CUDA."),
+    device_index: int = typer.Option(0, "--device", help="CUDA device index to serve."),
+    token: Optional[str] = typer.Option(None, help="Require this token from clients (or set GPUWIRE_NODE_TOKEN)."),
+    max_sessions: int = typer.Option(64, help="Most concurrent client sessions."),
+    idle_timeout: Optional[float] = typer.Option(None, help="Drop a session idle for this many seconds."),
+    threads: Optional[int] = typer.Option(None, help="Intra-op CPU threads for the CPU backend (default: torch's)."),
+    log_level: str = typer.Option("info", help="debug, info, warning or error."),
+    exit_with_stdin: bool = typer.Option(False, "--exit-with-stdin", hidden=True,
+                                         help="Exit when stdin closes (used by the embedded node)."),
+):
+    """Run a GPU node: serve PyTorch ops to gpuwire clients over TCP."""
+    from .node import Backend, NodeServer
+    from .node.backend import BackendUnavailable
+
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if threads:
+        import torch
+        torch.set_num_threads(threads)
+    try:
+        chosen = Backend.select(backend, device_index)
+    except BackendUnavailable as exc:
+        typer.echo(f"gpuwire serve: {exc}", err=True)
+        raise typer.Exit(2)
+    token = token or os.environ.get("GPUWIRE_NODE_TOKEN") or None
+    server = NodeServer(host, port, backend=chosen, token=token, max_sessions=max_sessions, idle_timeout=idle_timeout)
+    try:
+        bound_host, bound_port = server.bind()
+    except OSError as exc:
+        typer.echo(f"gpuwire serve: cannot listen on {host}:{port}: {exc.strerror or exc}", err=True)
+        raise typer.Exit(2)
+    info = chosen.describe()
+    label = "software GPU" if info["software"] else "GPU"
+    shown_host = f"[{bound_host}]" if ":" in bound_host else bound_host
+    print(f"gpuwire node listening on {shown_host}:{bound_port} (backend {chosen.kind}, {label}: {info['name']})",
+          flush=True)
+    if exit_with_stdin:
+        threading.Thread(target=_exit_when_stdin_closes, daemon=True).start()
+    signal.signal(signal.SIGTERM, lambda *_: (server.close(), os._exit(0)))
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+
+
+def _exit_when_stdin_closes() -> None:
+    try:
+        while sys.stdin.read(1 << 16):
+            pass
+    finally:
+        os._exit(0)
+
+
+@app.command()
+def version():
+    """Print the gpuwire, protocol and torch versions."""
+    import torch
+
+    from .protocol import PROTOCOL_VERSION
+    print(f"gpuwire {__version__} (protocol v{PROTOCOL_VERSION}, torch {torch.__version__})")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,687 @@
+"""The ``gpuwire`` PyTorch device: PrivateUse1, renamed, implemented in Python.
+
+Sits between PyTorch's dispatcher and ``client.runtime``. Every ATen op on a gpuwire tensor
+reaches ``_fallback`` (one boxed fallback for the PrivateUse1 key) and takes one of four
+paths, chosen once per op from its schema and cached:
+
+* views (schema returns an alias, nothing written): run the CPU kernel locally on the
+  tensor's metadata; the storage is shared, no message is sent;
+* mutating ops (in-place and ``out=``): encode and queue, return the mutated arguments;
+* functional ops: output metadata from the meta kernel, cached per argument signature;
+  output tensors get client-chosen storage ids, the op is queued, nothing waits;
+* sync ops (data-dependent shapes, non-tensor results): one round trip; the node reports
+  the results and the ids it stored them under.
+
+A client tensor is an ordinary ``torch.Tensor`` whose storage's data pointer is a virtual
+address that names the remote allocation; it is never dereferenced on the client.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+
+import torch
+from torch._C import DispatchKey, DispatchKeySet
+
+from . import wire
+from .runtime import Runtime
+from .wire import CODE_DTYPE, DTYPE_CODE
+
+DEVICE_TYPE = wire.DEVICE_TYPE
+DEVICE: torch.device | None = None  # torch.device("gpuwire", 0), once registered
+CPU_KEYSET = DispatchKeySet(DispatchKey.CPU)
+aten = torch.ops.aten
+
+_state = threading.local()
+_runtime: Runtime | None = None
+_runtime_lock = threading.Lock()
+_registered = False
+_pending_seed: int | None = None
+_PLANS: dict = {}
+
+
+# ---------------------------------------------------------------- connection management
+
+
+def runtime() -> Runtime:
+    rt = _runtime
+    if rt is None:
+        rt = _connect_default()
+    return rt
+
+
+def _connect_default() -> Runtime:
+    global _runtime
+    with _runtime_lock:
+        if _runtime is not None:
+            return _runtime
+        address = os.environ.get("GPUWIRE_NODE")
+        token = os.environ.get("GPUWIRE_TOKEN")
+        if not address:
+            from .embedded import start_embedded_node
+            address, token = start_embedded_node()
+        _set_runtime(Runtime(address, token=token))
+        return _runtime
+
+
+def _set_runtime(rt: Runtime) -> None:
+    global _runtime
+    _runtime = rt
+    rt.seed(_pending_seed if _pending_seed is not None else torch.initial_seed())
+
+
+def attach(node: str | None = None, *, token: str | None = None) -> Runtime:
+    """Connect this process to a node (``HOST:PORT``); with no node, start an embedded one."""
+    global _runtime
+    register()
+    with _runtime_lock:
+        if _runtime is not None:
+            _runtime.close()
+            _runtime = None
+        if node is None:
+            node = os.environ.get("GPUWIRE_NODE")
+            token = token or os.environ.get("GPUWIRE_TOKEN")
+        if not node:
+            from .embedded import start_embedded_node
+            node, token = start_embedded_node()
+        _set_runtime(Runtime(node, token=token))
+        return _runtime
+
+
+def detach() -> None:
+    global _runtime
+    with _runtime_lock:
+        if _runtime is not None:
+            _runtime.close()
+            _runtime = None
+
+
+def current_runtime() -> Runtime | None:
+    return _runtime
+
+
+# ---------------------------------------------------------------- tensors on the device
+
+
+def _storage_nbytes(sizes, strides, itemsize: int, offset: int = 0) -> int:
+    if 0 in sizes:
+        return offset * itemsize
+    extent = offset
+    for size, stride in zip(sizes, strides):
+        extent += (size - 1) * stride
+    return (extent + 1) * itemsize
+
+
+def _contiguous_strides(sizes) -> tuple:
+    strides = []
+    acc = 1
+    for size in reversed(sizes):
+        strides.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+_set_storage = functools.partial(aten.set_.source_Storage_storage_offset.redispatch, CPU_KEYSET)
+_create_empty = torch._C._acc.create_empty_tensor
+_storage_at = torch._C._construct_storage_from_data_pointer
+
+
+def wrap_storage(rt: Runtime, storage_id: int, nbytes: int, sizes, strides, dtype, offset: int = 0) -> torch.Tensor:
+    """A client tensor on the remote storage ``storage_id`` (tracked for freeing)."""
+    t = _create_empty(sizes, dtype)
+    storage = _storage_at(storage_id, DEVICE, nbytes)
+    _set_storage(t, storage, offset, sizes, strides)
+    rt.track(storage_id, storage)
+    return t
+
+
+def new_empty(rt: Runtime, sizes, strides, dtype) -> torch.Tensor:
+    """A fresh remote allocation (queued Alloc) and the client tensor on it."""
+    nbytes = _storage_nbytes(sizes, strides, dtype.itemsize)
+    return wrap_storage(rt, rt.allocate(nbytes), nbytes, sizes, strides, dtype)
+
+
+def storage_id_of(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+# ---------------------------------------------------------------- the fallback
+
+
+def _fallback(op, *args, **kwargs):
+    plan = _PLANS.get(op)
+    if plan is None:
+        plan = _PLANS[op] = _make_plan(op)
+    return plan(op, args, kwargs)
+
+
+def _traced_fallback(op, *args, **kwargs):
+    """GPUWIRE_TRACE=1: print each op reaching the device, its path and result shapes."""
+    plan = _PLANS.get(op)
+    if plan is None:
+        plan = _PLANS[op] = _make_plan(op)
+    result = plan(op, args, kwargs)
+    kind = getattr(plan, "__name__", type(plan).__name__)
+    _debug(f"{op} [{kind}]", [_shape(a) for a in args], {k: _shape(v) for k, v in kwargs.items()}, "->", _shape(result))
+    return result
+
+
+def _shape(value):
+    if isinstance(value, torch.Tensor):
+        return f"{value.device.type}{list(value.shape)}"
+    if isinstance(value, (list, tuple)):
+        return [_shape(v) for v in value]
+    return value
+
+
+def _make_plan(op):
+    special = SPECIAL.get(op)
+    if special is not None:
+        return special
+    schema = op._schema
+    returns = schema.returns
+    writes_args = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns) and not writes_args:
+        return _run_view
+    if not all(_is_tensor_type(r.type) for r in returns):
+        return SyncPlan(op)
+    if all(r.alias_info is not None and r.alias_info.is_write for r in returns) and (returns or writes_args):
+        return MutatingPlan(op)
+    return FunctionalPlan(op)
+
+
+def _is_tensor_type(t) -> bool:
+    if isinstance(t, torch.TensorType):
+        return True
+    if isinstance(t, (torch.OptionalType, torch.ListType)):
+        return _is_tensor_type(t.getElementType())
+    return False
+
+
+def _op_name(op) -> str:
+    name = op._schema.name
+    overload = op._schema.overload_name
+    return f"{name}.{overload}" if overload else name
+
+
+def _run_view(op, args, kwargs):
+    return op.redispatch(CPU_KEYSET, *args, **kwargs)
+
+
+def _argument_getters(op):
+    """For each schema argument, where it sits in a boxed call: ('pos', i) or ('kw', name)."""
+    getters = {}
+    for index, arg in enumerate(op._schema.arguments):
+        getters[arg.name] = (index, arg.name, arg.kwarg_only)
+    return getters
+
+
+def _get_arg(args, kwargs, index: int, name: str, kwarg_only: bool):
+    if not kwarg_only and index < len(args):
+        return args[index]
+    return kwargs.get(name)
+
+
+def _alias_sources(op) -> list:
+    """For each return: the argument it aliases (index, name, kwarg_only) or None if fresh."""
+    sources = []
+    for ret in op._schema.returns:
+        found = None
+        if ret.alias_info is not None:
+            for index, arg in enumerate(op._schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.before_set & ret.alias_info.before_set:
+                    found = (index, arg.name, arg.kwarg_only)
+                    break
+        sources.append(found)
+    return sources
+
+
+class MutatingPlan:
+    """In-place and out= ops: queue the op; the results are the mutated arguments."""
+
+    def __init__(self, op):
+        self.name = _op_name(op)
+        self.sources = _alias_sources(op)
+        self.single = len(self.sources) == 1
+        self.out_args = [(i, a.name, a.kwarg_only) for i, a in enumerate(op._schema.arguments)
+                         if a.is_out and _is_tensor_type(a.type)]
+        self.checker = FunctionalPlan(op) if self.out_args else None
+
+    def __call__(self, op, args, kwargs):
+        rt = runtime()
+        if self.out_args:
+            self._resize_outs(op, args, kwargs)
+        with rt.lock:
+            rt.submit(rt.conn.encode_op(rt.next_seq(), self.name, args, kwargs, ()))
+        if self.single:
+            source = self.sources[0]
+            return _get_arg(args, kwargs, *source) if source else None
+        return tuple(_get_arg(args, kwargs, *s) if s else None for s in self.sources)
+
+    def _resize_outs(self, op, args, kwargs):
+        """An out= tensor may have the wrong size (composite kernels pass ``empty(0)``, users
+        pass anything); aten resizes it, so we do too, from the cached meta result. Skipped for
+        in-place calls and for a fresh non-empty tensor from the structured-kernel path, whose
+        size C++ already computed."""
+        fresh = getattr(_state, "fresh", None)
+        for index, name, kwarg_only in self.out_args:
+            out = _get_arg(args, kwargs, index, name, kwarg_only)
+            if not isinstance(out, torch.Tensor) or (out is fresh and out.numel()) or any(out is a for a in args):
+                continue
+            entry = self.checker.outputs(op, args, kwargs)
+            if entry is SYNC or entry is None:
+                return
+            expected = entry.out_shapes
+            position = [i for i, *_ in self.out_args].index(index)
+            if position < len(expected) and tuple(out.shape) != expected[position]:
+                out.resize_(expected[position])
+
+
+class _MetaEntry:
+    __slots__ = ("specs", "template", "out_shapes")
+
+    def __init__(self, specs, template, out_shapes):
+        self.specs = specs  # per fresh output: (sizes, strides, dtype, dtype_code, nbytes)
+        self.template = template
+        self.out_shapes = out_shapes
+
+
+SYNC = object()
+
+
+class FunctionalPlan:
+    """Ops that return fresh tensors: metadata from the meta kernel, cached by signature."""
+
+    def __init__(self, op):
+        self.name = _op_name(op)
+        self.meta_op = op
+        self.cache: dict = {}
+        self.sources = _alias_sources(op)
+
+    def outputs(self, op, args, kwargs):
+        try:
+            key = (_signature(args), _signature(tuple(kwargs.items())) if kwargs else None)
+        except TypeError:
+            key = None
+        entry = self.cache.get(key) if key is not None else None
+        if entry is None:
+            entry = self._compute(args, kwargs)
+            if key is not None and entry is not None:
+                self.cache[key] = entry
+        return entry
+
+    def _compute(self, args, kwargs):
+        meta_args, meta_kwargs = _to_meta(args), {k: _to_meta(v) for k, v in kwargs.items()}
+        try:
+            result = self.meta_op(*meta_args, **meta_kwargs)
+        except (torch._subclasses.fake_tensor.DynamicOutputShapeException, NotImplementedError):
+            return SYNC
+        except Exception:  # noqa: BLE001 - let the node raise the real error (same message as local)
+            return None
+        specs = []
+        template = _template(result, specs, self.sources)
+        out_shapes = [tuple(r.shape) if isinstance(r, torch.Tensor) else None
+                      for r in (result if isinstance(result, tuple) else (result,))]
+        return _MetaEntry(specs, template, out_shapes)
+
+    def __call__(self, op, args, kwargs):
+        entry = self.outputs(op, args, kwargs)
+        if entry is SYNC or entry is None:
+            return _call_sync(op, self.name, args, kwargs)
+        tensors = submit_with_outputs(self.name, args, kwargs, entry.specs)
+        template = entry.template
+        if template == 0:
+            return tensors[0]
+        return _build(template, tensors, args, kwargs)
+
+
+def output_spec(sizes, strides, dtype) -> tuple:
+    sizes, strides = tuple(sizes), tuple(strides)
+    return sizes, strides, dtype, DTYPE_CODE[dtype], _storage_nbytes(sizes, strides, dtype.itemsize)
+
+
+def submit_with_outputs(name: str, args, kwargs, specs) -> list:
+    """Queue op ``name`` whose fresh results have the layouts ``specs`` (see ``output_spec``);
+    return the client tensors for them at once, without waiting for the node."""
+    rt = runtime()
+    with rt.lock:
+        tensors = []
+        outs = []
+        for sizes, strides, dtype, code, nbytes in specs:
+            sid = rt.reserve(nbytes)
+            tensors.append(wrap_storage(rt, sid, nbytes, sizes, strides, dtype))
+            outs.append((sid, nbytes, sizes, strides, code))
+        rt.submit(rt.conn.encode_op(rt.next_seq(), name, args, kwargs, outs))
+    return tensors
+
+
+def _signature(values):
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append((v.dtype, v.shape, v.stride(), v.device.type, v.is_conj() or v.is_neg()))
+        elif isinstance(v, (list, tuple)):
+            out.append(_signature(v))
+        else:
+            out.append((v.__class__, v))
+    return tuple(out)
+
+
+def _to_meta(value):
+    if isinstance(value, torch.Tensor):
+        if value.device.type == DEVICE_TYPE:
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+        return value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_meta(v) for v in value) if not isinstance(value, torch.Size) else value
+    if isinstance(value, torch.device):
+        return torch.device("meta")
+    if isinstance(value, torch.Generator):
+        return None
+    return value
+
+
+def _template(result, specs, sources, top=True):
+    """A recipe to rebuild ``result``'s structure from the fresh output tensors."""
+    if top and isinstance(result, tuple) and len(sources) == len(result):
+        return ("tuple", [("arg", sources[i]) if sources[i] else _template(r, specs, sources, False)
+                          for i, r in enumerate(result)])
+    if top and len(sources) == 1 and sources[0] is not None:
+        return ("arg", sources[0])
+    if isinstance(result, torch.Tensor):
+        specs.append(output_spec(result.shape, result.stride(), result.dtype))
+        return len(specs) - 1
+    if isinstance(result, (tuple, list)):
+        return ("tuple" if isinstance(result, tuple) else "list", [_template(r, specs, sources, False) for r in result])
+    return ("value", result)
+
+
+def _build(template, tensors, args, kwargs):
+    if type(template) is int:
+        return tensors[template]
+    kind, value = template
+    if kind == "tuple":
+        return tuple(_build(t, tensors, args, kwargs) for t in value)
+    if kind == "list":
+        return [_build(t, tensors, args, kwargs) for t in value]
+    if kind == "arg":
+        return _get_arg(args, kwargs, *value)
+    return value
+
+
+class SyncPlan:
+    """Ops whose results are not tensors (or have data-dependent shapes): one round trip."""
+
+    def __init__(self, op):
+        self.name = _op_name(op)
+
+    def __call__(self, op, args, kwargs):
+        return _call_sync(op, self.name, args, kwargs)
+
+
+def _call_sync(op, name, args, kwargs):
+    rt = runtime()
+    with rt.lock:
+        value = rt.call_sync(name, args, kwargs)
+        result = _from_result(rt, value)
+    if len(op._schema.returns) > 1 and isinstance(result, list):
+        return tuple(result)
+    return result
+
+
+def _from_result(rt: Runtime, value):
+    from ..protocol.events import NewTensor
+
+    if isinstance(value, NewTensor):
+        return wrap_storage(rt, value.storage_id, value.nbytes, value.sizes, value.strides,
+                            CODE_DTYPE[value.dtype], value.offset)
+    if isinstance(value, list):
+        return [_from_result(rt, v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------- ops with their own handling
+
+
+def _empty_memory_format(op, args, kwargs):
+    sizes = tuple(args[0])
+    dtype = kwargs.get("dtype") or torch.get_default_dtype()
+    memory_format = kwargs.get("memory_format")
+    if memory_format is None or memory_format is torch.contiguous_format or memory_format is torch.preserve_format:
+        strides = _contiguous_strides(sizes)
+    else:
+        strides = tuple(torch.empty(sizes, device="meta", memory_format=memory_format).stride())
+    rt = runtime()
+    with rt.lock:
+        t = new_empty(rt, sizes, strides, dtype)
+    _state.fresh = t
+    return t
+
+
+def _empty_strided(op, args, kwargs):
+    sizes, strides = tuple(args[0]), tuple(args[1])
+    dtype = kwargs.get("dtype") or (args[2] if len(args) > 2 and args[2] is not None else torch.get_default_dtype())
+    rt = runtime()
+    with rt.lock:
+        t = new_empty(rt, sizes, strides, dtype)
+    _state.fresh = t
+    return t
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
+def _host_bytes(t: torch.Tensor) -> memoryview:
+    c = t.detach().resolve_conj().resolve_neg().contiguous()
+    if c.numel() == 0:
+        return memoryview(b"")
+    return memoryview(c.reshape(-1).view(torch.uint8).numpy())
+
+
+def upload(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """Host → device copy into ``dst`` (broadcasting and dtype conversion as ``copy_``)."""
+    rt = runtime()
+    with rt.lock:
+        if src.dtype == dst.dtype and src.shape == dst.shape and _plain(dst):
+            data = _host_bytes(src)
+            rt.write(storage_id_of(dst), dst.storage_offset() * dst.element_size(), data)
+            return dst
+        staging = new_empty(rt, tuple(src.shape), _contiguous_strides(tuple(src.shape)), src.dtype)
+        rt.write(storage_id_of(staging), 0, _host_bytes(src))
+        rt.submit(rt.conn.encode_op(rt.next_seq(), "aten::copy_", (dst, staging), {}, ()))
+    return dst
+
+
+def download(src: torch.Tensor) -> torch.Tensor:
+    """Device → host: a CPU tensor with ``src``'s values (one round trip)."""
+    rt = runtime()
+    with rt.lock:
+        if not _plain(src):
+            src = aten.clone.default(src, memory_format=torch.contiguous_format)
+        nbytes = src.numel() * src.element_size()
+        data = rt.read(storage_id_of(src), src.storage_offset() * src.element_size(), nbytes)
+    if nbytes == 0:
+        return torch.empty(tuple(src.shape), dtype=src.dtype)
+    return torch.frombuffer(data, dtype=src.dtype).view(src.shape)
+
+
+def _copy_from(op, args, kwargs):
+    src, dst = args[0], args[1]
+    src_remote = src.device.type == DEVICE_TYPE
+    dst_remote = dst.device.type == DEVICE_TYPE
+    if src_remote and dst_remote:
+        rt = runtime()
+        with rt.lock:
+            rt.submit(rt.conn.encode_op(rt.next_seq(), "aten::copy_", (dst, src), {}, ()))
+        return dst
+    if dst_remote:
+        return upload(src, dst)
+    host = download(src)
+    dst.copy_(host)
+    return dst
+
+
+def _copy_from_and_resize(op, args, kwargs):
+    src, dst = args[0], args[1]
+    if dst.shape != src.shape:
+        dst.resize_(src.shape)
+    return _copy_from(op, (src, dst), {})
+
+
+def _local_scalar_dense(op, args, kwargs):
+    return download(args[0]).item()
+
+
+def _resize(op, args, kwargs):
+    t, sizes = args[0], tuple(args[1])
+    memory_format = args[2] if len(args) > 2 else kwargs.get("memory_format")
+    if memory_format is None or memory_format is torch.contiguous_format or memory_format is torch.preserve_format:
+        strides = _contiguous_strides(sizes)
+    else:
+        strides = tuple(torch.empty(sizes, device="meta", memory_format=memory_format).stride())
+    offset = t.storage_offset()
+    needed = _storage_nbytes(sizes, strides, t.element_size(), offset)
+    storage = t.untyped_storage()
+    if needed > storage.nbytes():
+        rt = runtime()
+        with rt.lock:
+            old_nbytes = storage.nbytes()
+            grown = new_empty(rt, (needed,), (1,), torch.uint8)
+            if old_nbytes:
+                old = _create_empty((old_nbytes,), torch.uint8)
+                _set_storage(old, storage, 0, (old_nbytes,), (1,))
+                rt.submit(rt.conn.encode_op(rt.next_seq(), "aten::copy_", (grown[:old_nbytes], old), {}, ()))
+            storage = grown.untyped_storage()
+    _set_storage(t, storage, offset, sizes, strides)
+    return t
+
+
+def _set_empty(op, args, kwargs):
+    t = args[0]
+    rt = runtime()
+    with rt.lock:
+        fresh = new_empty(rt, (0,), (1,), t.dtype)
+    _set_storage(t, fresh.untyped_storage(), 0, (0,), (1,))
+    return t
+
+
+def _is_pinned(op, args, kwargs):
+    return False
+
+
+def _record_stream(op, args, kwargs):
+    return None
+
+
+def _local(op, args, kwargs):
+    return op.redispatch(CPU_KEYSET, *args, **kwargs)
+
+
+SPECIAL = {
+    aten.empty.memory_format: _empty_memory_format,
+    aten.empty_strided.default: _empty_strided,
+    aten._copy_from.default: _copy_from,
+    aten._copy_from_and_resize.default: _copy_from_and_resize,
+    aten._local_scalar_dense.default: _local_scalar_dense,
+    aten.resize_.default: _resize,
+    aten.set_.source_Storage_storage_offset: _local,
+    aten.set_.source_Storage: _local,
+    aten.set_.source_Tensor: _local,
+    aten.set_.default: _set_empty,
+    aten.is_set_to.default: _local,
+    aten._unsafe_view.default: _local,
+    aten.is_pinned.default: _is_pinned,
+    aten.record_stream.default: _record_stream,
+}
+
+
+# ---------------------------------------------------------------- ops registered by name
+
+
+class _RenamedPlan(FunctionalPlan):
+    """Convolution reaches a PrivateUse1 backend only as ``convolution_overrideable``; the
+    node runs the real ``aten::convolution`` (so cuDNN/oneDNN picks the kernel there)."""
+
+    def __init__(self, op, target, name: str, adapt=None):
+        super().__init__(target)
+        self.name = name
+        self.sources = _alias_sources(target)
+        self.adapt = adapt
+
+    def __call__(self, op, args, kwargs):
+        if self.adapt is not None:
+            args = self.adapt(args)
+        return super().__call__(self.meta_op, args, kwargs)
+
+
+def _conv_backward_args(args):
+    grad_output, input, weight, stride, padding, dilation, transposed, output_padding, groups, output_mask = args
+    bias_channels = weight.shape[1] * groups if transposed else weight.shape[0]
+    return (grad_output, input, weight, [bias_channels], stride, padding, dilation, transposed,
+            output_padding, groups, output_mask)
+
+
+_conv_plan = None
+_conv_backward_plan = None
+
+
+def _convolution_overrideable(*args):
+    return _conv_plan(None, args, {})
+
+
+def _convolution_backward_overrideable(*args):
+    return _conv_backward_plan(None, args, {})
+
+
+# ---------------------------------------------------------------- registration
+
+
+def register() -> None:
+    """Make ``torch.device("gpuwire")`` exist in this process (idempotent, no connection)."""
+    global _registered, DEVICE, _conv_plan, _conv_backward_plan
+    if _registered:
+        return
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+    from . import torch_module
+
+    current = torch._C._get_privateuse1_backend_name()
+    if current not in ("privateuseone", DEVICE_TYPE):
+        raise RuntimeError(f"the PrivateUse1 device is already taken by {current!r}; gpuwire needs it")
+    if current != DEVICE_TYPE:
+        _setup_privateuseone_for_python_backend(DEVICE_TYPE, backend_module=torch_module.module,
+                                                hook=torch_module.Hooks(), device_guard=torch_module.Guard())
+    DEVICE = torch.device(DEVICE_TYPE, 0)
+    global _library, _aten_library
+    _library = torch.library.Library("_", "IMPL")
+    tracing = os.environ.get("GPUWIRE_TRACE", "") not in ("", "0")
+    _library.fallback(_traced_fallback if tracing else _fallback, dispatch_key="PrivateUse1")
+    _library.fallback(torch.library.fallthrough_kernel, dispatch_key="AutocastPrivateUse1")
+    _conv_plan = _RenamedPlan(None, aten.convolution.default, "aten::convolution.default")
+    _conv_backward_plan = _RenamedPlan(None, aten.convolution_backward.default, "aten::convolution_backward.default",
+                                       _conv_backward_args)
+    _aten_library = torch.library.Library("aten", "IMPL")
+    _aten_library.impl("convolution_overrideable", _convolution_overrideable, "PrivateUse1")
+    _aten_library.impl("convolution_backward_overrideable", _convolution_backward_overrideable, "PrivateUse1")
+    from . import fused
+    fused.register(_aten_library)
+    _registered = True
+
+
+def runtime_or_none() -> Runtime | None:
+    return _runtime
+
+
+def set_pending_seed(seed: int) -> None:
+    global _pending_seed
+    _pending_seed = seed
+    if _runtime is not None and _runtime.alive:
+        _runtime.seed(seed)
+
+
+def _debug(*parts) -> None:
+    print("gpuwire:", *parts, file=sys.stderr)

@@ -1,0 +1,70 @@
+"""The embedded node: a local ``gpuwire serve`` child on the CPU backend.
+
+Started on first use of the device when no node is configured (no ``GPUWIRE_NODE``, no
+``gpuwire.attach``). It listens on an ephemeral loopback port with a random token, exits
+when this process exits (it watches its stdin pipe, so even a SIGKILLed parent leaves no
+orphan), and says once on stderr where the device is.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+import subprocess
+import sys
+import threading
+
+_process: subprocess.Popen | None = None
+_lock = threading.Lock()
+STARTUP_TIMEOUT = 60.0
+
+
+class EmbeddedNodeFailed(RuntimeError):
+    pass
+
+
+def start_embedded_node(backend: str = "cpu") -> tuple[str, str]:
+    """Start the child node; return (address, token)."""
+    global _process
+    with _lock:
+        token = secrets.token_hex(16)
+        env = dict(os.environ, GPUWIRE_NODE_TOKEN=token, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+        env.pop("GPUWIRE_NODE", None)
+        cmd = [sys.executable, "-m", "gpuwire", "serve", "--host", "127.0.0.1", "--port", "0",
+               "--backend", backend, "--exit-with-stdin", "--log-level", "warning"]
+        process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+        line = _read_line(process, STARTUP_TIMEOUT)
+        if not line.startswith("gpuwire node listening on "):
+            process.kill()
+            raise EmbeddedNodeFailed(f"the embedded gpuwire node did not start (it printed {line!r}); "
+                                     "run `gpuwire serve` by hand to see why, or set GPUWIRE_NODE")
+        address = line.split()[4]
+        _process = process
+        atexit.register(stop_embedded_node)
+        print(f"gpuwire: no node configured (GPUWIRE_NODE unset): started an embedded node at {address} "
+              "on the CPU backend (software GPU)", file=sys.stderr)
+        return address, token
+
+
+def _read_line(process: subprocess.Popen, timeout: float) -> str:
+    result = []
+    reader = threading.Thread(target=lambda: result.append(process.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return result[0].strip() if result else ""
+
+
+def stop_embedded_node() -> None:
+    global _process
+    process, _process = _process, None
+    if process is None:
+        return
+    from . import device
+    device.detach()
+    try:
+        process.stdin.close()
+        process.wait(timeout=5)
+    except Exception:  # noqa: BLE001
+        process.kill()
+        process.wait()

@@ -1,0 +1,65 @@
+"""Ops that travel as one remote op instead of their decomposition.
+
+Sits beside ``client.device``: PyTorch picks SDPA's fused kernel through a C++ stub that
+ignores PrivateUse1, so on our device attention would decompose into ~15 ops (and differ
+numerically from a local run that uses a fused kernel). We override the autograd kernel of
+``aten::scaled_dot_product_attention`` for our device: the forward is one remote op running
+PyTorch's own SDPA on the node; the backward is one remote op that recomputes the forward
+under autograd there (same kernels as local, so the gradients match a local run).
+With dropout the recomputation could not reproduce the mask, so that case keeps the math
+decomposition.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import device as _device
+
+
+def _specs_like(*tensors):
+    return [_device.output_spec(t.shape, _device._contiguous_strides(tuple(t.shape)), t.dtype) for t in tensors]
+
+
+def _sdpa_out_shape(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    meta = [_device._to_meta(t) for t in (q, k, v, attn_mask)]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        meta[0], meta[1], meta[2], attn_mask=meta[3], dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        enable_gqa=enable_gqa)
+    return _device.output_spec(out.shape, out.stride(), out.dtype)
+
+
+class _RemoteSDPA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        spec = _sdpa_out_shape(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        (out,) = _device.submit_with_outputs(
+            "gpuwire::sdpa", (q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa), {}, [spec])
+        ctx.save_for_backward(q, k, v, attn_mask)
+        ctx.options = (is_causal, scale, enable_gqa)
+        ctx.mask_requires_grad = attn_mask is not None and attn_mask.requires_grad and attn_mask.is_floating_point()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, attn_mask = ctx.saved_tensors
+        is_causal, scale, enable_gqa = ctx.options
+        wanted = [q, k, v] + ([attn_mask] if ctx.mask_requires_grad else [])
+        grads = _device.submit_with_outputs(
+            "gpuwire::sdpa_backward",
+            (grad_out.contiguous(), q, k, v, attn_mask, 0.0, is_causal, scale, enable_gqa, ctx.mask_requires_grad),
+            {}, _specs_like(*wanted))
+        grads = list(grads) + [None] * (4 - len(grads))
+        return grads[0], grads[1], grads[2], grads[3], None, None, None, None
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if dropout_p > 0.0 and torch.is_grad_enabled():
+        out, _ = torch.ops.aten._scaled_dot_product_attention_math.default(
+            query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)
+        return out
+    return _RemoteSDPA.apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def register(aten_library: torch.library.Library) -> None:
+    aten_library.impl("scaled_dot_product_attention", _sdpa, "AutogradPrivateUse1")

@@ -1,0 +1,349 @@
+"""The client's connection to one node: command queue, sync points, storage ids, frees.
+
+Sits between the device layer (``client.device``, which turns ATen ops into commands) and the
+socket. Commands with no reply are appended to an outgoing queue and written in batches
+(flushed at a sync point, or once the queue holds ``FLUSH_OPS`` commands or ``FLUSH_BYTES``
+bytes, so the node works while the client keeps dispatching). Commands with a reply flush
+the queue and wait: that is the only place the client blocks, and ``round_trips`` counts it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+
+import msgpack
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from .. import __version__
+from .._io import send_parts
+from ..protocol import CLOSED, NEED_DATA, Connection, ProtocolError, Role, VersionMismatch
+from ..protocol.events import (
+    Alloc,
+    CallSync,
+    Data,
+    Error,
+    Free,
+    Goodbye,
+    Hello,
+    Query,
+    Read,
+    Reject,
+    Result,
+    Seed,
+    SetRngState,
+    Sync,
+    SyncDone,
+    Write,
+)
+from .errors import ConnectionLost, NodeUnreachable, RemoteError, remote_error
+from .wire import encode_default
+
+FLUSH_OPS = 64
+FLUSH_BYTES = 1 << 20
+CHUNK_BYTES = 16 << 20  # bulk transfers travel in frames of at most this many bytes
+COPY_PAYLOAD_BELOW = 256 << 10  # smaller uploads are copied into the queue; larger ones sent at once
+FIRST_ADDRESS = 1 << 32
+ALIGN = 512
+SCAN_EVERY = 256
+
+
+def parse_address(address: str, default_port: int = 7070) -> tuple[str, int]:
+    text = address.strip()
+    for prefix in ("gpuwire://", "tcp://"):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest.lstrip(":") or str(default_port)
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    else:
+        host, port = text, str(default_port)
+    try:
+        return host or "127.0.0.1", int(port)
+    except ValueError:
+        raise ValueError(f"invalid node address {address!r}: expected HOST:PORT, e.g. 127.0.0.1:7070") from None
+
+
+class Runtime:
+    def __init__(self, address: str, *, token: str | None = None, connect_timeout: float = 10.0,
+                 reply_timeout: float | None = None):
+        self.address = address
+        self.host, self.port = parse_address(address)
+        self.sync_every_op = os.environ.get("GPUWIRE_SYNC", "") not in ("", "0")
+        self.lock = threading.RLock()
+        self.seq = 0
+        self.round_trips = 0
+        self.ops_sent = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._queue: list = []
+        self._queue_bytes = 0
+        self._next_address = FIRST_ADDRESS
+        self._live: dict[int, StorageWeakRef] = {}
+        self._allocs_since_scan = 0
+        self._dead: BaseException | None = None
+        self._sock = self._connect(connect_timeout)
+        self._sock.settimeout(reply_timeout)
+        self.conn = Connection(Role.CLIENT, default=encode_default)
+        self._handshake(token, connect_timeout)
+
+    # ------------------------------------------------------------ connection
+
+    def _connect(self, timeout: float) -> socket.socket:
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=timeout)
+        except socket.timeout:
+            raise NodeUnreachable(f"no gpuwire node answered at {self.address} within {timeout:g} s; "
+                                  "check the address (GPUWIRE_NODE) and that `gpuwire serve` runs there") from None
+        except OSError as exc:
+            raise NodeUnreachable(f"cannot connect to a gpuwire node at {self.address}: {exc.strerror or exc}; "
+                                  "start one with `gpuwire serve` or fix GPUWIRE_NODE") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def _handshake(self, token: str | None, timeout: float) -> None:
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.sendall(self.conn.send(Hello(client_version=__version__, token=token,
+                                                    capabilities=["sync-ops"], options={"pid": os.getpid()})))
+            event = self._next_event()
+        except (socket.timeout, TimeoutError):
+            self._sock.close()
+            raise NodeUnreachable(f"{self.address} accepted the connection but did not answer the gpuwire "
+                                  f"handshake within {timeout:g} s; is it a gpuwire node?") from None
+        except (ProtocolError, ConnectionLost) as exc:
+            self._sock.close()
+            if isinstance(exc, VersionMismatch):
+                raise NodeUnreachable(str(exc)) from None
+            raise NodeUnreachable(f"{self.address} is not a gpuwire node (or speaks another protocol): {exc}") from None
+        if isinstance(event, Reject):
+            self._sock.close()
+            raise NodeUnreachable(f"node {self.address} refused the session: {event.reason}")
+        self.welcome = event
+        self.device_info = dict(event.device)
+        self.session_id = event.session_id
+        self._sock.settimeout(None)
+
+    def close(self) -> None:
+        with self.lock:
+            if self._dead is None:
+                try:
+                    self._queue.append(self.conn.send(Goodbye(reason="client exit")))
+                    self._flush()
+                except Exception:  # noqa: BLE001 - closing must never raise
+                    pass
+                self._dead = ConnectionLost("the gpuwire connection was closed")
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None
+
+    def _lost(self, exc: BaseException) -> ConnectionLost:
+        lost = ConnectionLost(f"lost the connection to gpuwire node {self.address}: {exc}. "
+                              "Remote tensors of this session are gone; restart the program (or the node)")
+        self._dead = lost
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        return lost
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise self._dead
+
+    # ------------------------------------------------------------ queue
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def enqueue(self, frame: bytes) -> None:
+        """Queue an encoded command; flush when the batch is large enough."""
+        self._queue.append(frame)
+        self._queue_bytes += len(frame)
+        if len(self._queue) >= FLUSH_OPS or self._queue_bytes >= FLUSH_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._queue:
+            return
+        self._check_alive()
+        parts, self._queue = self._queue, []
+        self._queue_bytes = 0
+        try:
+            self.bytes_sent += send_parts(self._sock, parts)
+        except OSError as exc:
+            raise self._lost(exc) from None
+
+    def flush(self) -> None:
+        with self.lock:
+            self._flush()
+
+    def _next_event(self):
+        conn = self.conn
+        while True:
+            event = conn.next_event()
+            if event is not NEED_DATA:
+                if event is CLOSED:
+                    raise self._lost(ConnectionError("the node closed the connection"))
+                return event
+            try:
+                data = self._sock.recv(1 << 20)
+            except (socket.timeout, TimeoutError):
+                raise
+            except OSError as exc:
+                raise self._lost(exc) from None
+            if not data:
+                conn.receive_data(b"")
+                event = conn.next_event()
+                if event is NEED_DATA or event is CLOSED:
+                    raise self._lost(ConnectionError("the node closed the connection"))
+                return event
+            self.bytes_received += len(data)
+            conn.receive_data(data)
+
+    def request(self, event):
+        """Send a command that has a reply; wait for it. Raises RemoteError for a failure of
+        this command or of any streamed command before it."""
+        self._check_alive()
+        self._queue.append(self.conn.send(event))
+        self._flush()
+        self.round_trips += 1
+        try:
+            reply = self._next_event()
+        except ProtocolError as exc:
+            raise self._lost(exc) from None
+        if type(reply) is Error:
+            raise remote_error(reply.op, reply.seq, reply.exc_type, reply.message, self.address)
+        return reply
+
+    # ------------------------------------------------------------ commands
+
+    def submit(self, frame: bytes) -> None:
+        self._check_alive()
+        self.ops_sent += 1
+        self.enqueue(frame)
+        if self.sync_every_op:
+            self.synchronize()
+
+    def synchronize(self) -> None:
+        with self.lock:
+            self._collect_garbage()
+            self.request(Sync(seq=self.next_seq()))
+
+    def call_sync(self, name: str, args, kwargs):
+        with self.lock:
+            reply = self.request(CallSync(seq=self.next_seq(), name=name, args=list(args), kwargs=kwargs))
+            return reply.value
+
+    def query(self, what: str):
+        with self.lock:
+            return self.request(Query(seq=self.next_seq(), what=what)).value
+
+    def seed(self, seed: int) -> None:
+        with self.lock:
+            self._check_alive()
+            self.enqueue(self.conn.send(Seed(seq=self.next_seq(), seed=int(seed) & ((1 << 64) - 1))))
+
+    def set_rng_state(self, state: bytes) -> None:
+        with self.lock:
+            self._check_alive()
+            self.enqueue(self.conn.send(SetRngState(seq=self.next_seq(), payload=bytes(state))))
+
+    # ------------------------------------------------------------ memory
+
+    def reserve(self, nbytes: int) -> int:
+        """A fresh virtual address (storage id) for ``nbytes``; never reused in this session."""
+        address = self._next_address
+        self._next_address = address + ((max(nbytes, 1) + 2 * ALIGN - 1) & ~(ALIGN - 1))
+        return address
+
+    def allocate(self, nbytes: int) -> int:
+        """A fresh storage id; the node allocates (zeroed) memory for it when the Alloc arrives."""
+        address = self.reserve(nbytes)
+        self.enqueue(self.conn.send(Alloc(seq=self.next_seq(), storage_id=address, nbytes=nbytes)))
+        return address
+
+    def track(self, storage_id: int, storage) -> None:
+        """Free the remote storage once the last client tensor on it dies (batched)."""
+        self._live[storage_id] = StorageWeakRef(storage)
+        self._allocs_since_scan += 1
+        if self._allocs_since_scan >= SCAN_EVERY:
+            self._collect_garbage()
+
+    def _collect_garbage(self) -> None:
+        self._allocs_since_scan = 0
+        dead = [sid for sid, ref in self._live.items() if ref.expired()]
+        if dead:
+            for sid in dead:
+                del self._live[sid]
+            if self._dead is None:
+                self.enqueue(self.conn.send(Free(seq=self.next_seq(), storage_ids=dead)))
+
+    @property
+    def live_storages(self) -> int:
+        return len(self._live)
+
+    def write(self, storage_id: int, byte_offset: int, data: memoryview) -> None:
+        """Host → device bytes (``data`` must stay unchanged until this returns)."""
+        with self.lock:
+            self._check_alive()
+            total = data.nbytes
+            if total <= COPY_PAYLOAD_BELOW:
+                self.enqueue(self.conn.send(Write(seq=self.next_seq(), storage_id=storage_id,
+                                                  byte_offset=byte_offset, payload=bytes(data))))
+                return
+            self._flush()
+            for start in range(0, total, CHUNK_BYTES):
+                chunk = data[start:start + CHUNK_BYTES]
+                parts = self.conn.send_parts(Write(seq=self.next_seq(), storage_id=storage_id,
+                                                   byte_offset=byte_offset + start, payload=chunk))
+                try:
+                    self.bytes_sent += send_parts(self._sock, parts)
+                except OSError as exc:
+                    raise self._lost(exc) from None
+
+    def read(self, storage_id: int, byte_offset: int, nbytes: int) -> bytearray:
+        """Device → host bytes: one round trip, chunks pipelined."""
+        with self.lock:
+            self._check_alive()
+            out = bytearray(nbytes)
+            if nbytes == 0:
+                self.request(Sync(seq=self.next_seq()))
+                return out
+            starts = list(range(0, nbytes, CHUNK_BYTES))
+            for start in starts:
+                self._queue.append(self.conn.send(Read(seq=self.next_seq(), storage_id=storage_id,
+                                                       byte_offset=byte_offset + start,
+                                                       nbytes=min(CHUNK_BYTES, nbytes - start))))
+            self._flush()
+            self.round_trips += 1
+            view = memoryview(out)
+            error = None
+            for start in starts:
+                try:
+                    reply = self._next_event()
+                except ProtocolError as exc:
+                    raise self._lost(exc) from None
+                if type(reply) is Error:
+                    error = error or reply
+                    continue
+                if type(reply) is not Data:
+                    raise self._lost(ProtocolError(f"expected Data, got {type(reply).__name__}"))
+                chunk = reply.payload
+                view[start:start + len(chunk)] = chunk
+            if error is not None:
+                raise remote_error(error.op, error.seq, error.exc_type, error.message, self.address)
+            return out
+

@@ -1,0 +1,158 @@
+"""``torch.gpuwire``: the device module PyTorch looks up for the renamed PrivateUse1 device.
+
+Sits between PyTorch's generic device plumbing (seeding, serialization, autocast queries,
+``torch.get_device_module``) and the runtime. Nothing here connects to a node until a call
+needs the node (seeding before first use is remembered and sent on connect).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+
+from . import device as _device
+
+
+class Hooks(torch._C._acc.PrivateUse1Hooks):
+    def is_available(self) -> bool:
+        return True
+
+    def has_primary_context(self, dev_id) -> bool:
+        return True
+
+    def is_built(self) -> bool:
+        return True
+
+
+class Guard(torch._C._acc.DeviceGuard):
+    def type_(self):
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+def is_available() -> bool:
+    return True
+
+
+def is_initialized() -> bool:
+    return _device.current_runtime() is not None
+
+
+def _lazy_init() -> None:
+    _device.runtime()
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+def device_count() -> int:
+    return 1
+
+
+def current_device() -> int:
+    return 0
+
+
+def set_device(index) -> None:
+    index = index.index if isinstance(index, torch.device) else index
+    if index not in (None, 0, -1):
+        raise ValueError(f"gpuwire device {index} does not exist: this session has one device (index 0)")
+
+
+@contextlib.contextmanager
+def device(index=None):
+    """Context manager PyTorch uses (e.g. ``torch.load(map_location=...)``); one device, so a no-op."""
+    set_device(index)
+    yield
+
+
+def synchronize(device=None) -> None:
+    rt = _device.current_runtime()
+    if rt is not None:
+        rt.synchronize()
+
+
+def manual_seed(seed: int) -> None:
+    _device.set_pending_seed(int(seed))
+
+
+manual_seed_all = manual_seed
+
+
+def seed() -> None:
+    manual_seed(torch.seed())
+
+
+seed_all = seed
+
+
+def initial_seed() -> int:
+    return torch.initial_seed()
+
+
+def get_rng_state(device="gpuwire") -> torch.Tensor:
+    state = _device.runtime().query("rng_state")
+    return torch.frombuffer(bytearray(state), dtype=torch.uint8).clone()
+
+
+def set_rng_state(new_state: torch.Tensor, device="gpuwire") -> None:
+    _device.runtime().set_rng_state(bytes(new_state.contiguous().numpy().tobytes()))
+
+
+def get_rng_state_all() -> list:
+    return [get_rng_state()]
+
+
+def set_rng_state_all(states) -> None:
+    for state in states:
+        set_rng_state(state)
+
+
+def get_amp_supported_dtype():
+    return [torch.float16, torch.bfloat16]
+
+
+def _memory(key: str) -> int:
+    rt = _device.current_runtime()
+    if rt is None:
+        return 0
+    return int(rt.query("memory")[key])
+
+
+def memory_allocated(device=None) -> int:
+    return _memory("bytes_in_use")
+
+
+def max_memory_allocated(device=None) -> int:
+    return _memory("peak_bytes")
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    rt = _device.current_runtime()
+    if rt is not None:
+        rt.query("reset_peak")
+
+
+def empty_cache() -> None:
+    rt = _device.current_runtime()
+    if rt is not None:
+        with rt.lock:
+            rt._collect_garbage()
+            rt._flush()
+
+
+def get_device_properties(device=None) -> types.SimpleNamespace:
+    info = _device.runtime().device_info
+    return types.SimpleNamespace(**info)
+
+
+def get_device_name(device=None) -> str:
+    return _device.runtime().device_info.get("name", "gpuwire device")
+
+
+module = types.ModuleType("torch.gpuwire", __doc__)
+for _name, _value in list(globals().items()):
+    if callable(_value) and not _name.startswith("__") and _name not in ("Hooks", "Guard", "contextlib", "types", "torch"):
+        setattr(module, _name, _value)

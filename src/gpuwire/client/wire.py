@@ -1,0 +1,92 @@
+"""Client-side value encoding: torch objects straight to the protocol's msgpack extensions.
+
+Sits between the device layer and ``protocol.codec``: msgpack calls ``encode_default`` only
+for values it cannot pack natively (tensors, dtypes, devices …), so argument trees of ints,
+floats and lists are packed in C with no Python walk.
+"""
+
+from __future__ import annotations
+
+import msgpack
+import torch
+
+from ..protocol import codec
+
+DTYPE_CODE: dict[torch.dtype, int] = {}
+CODE_DTYPE: dict[int, torch.dtype] = {}
+for _code, _name in enumerate(codec.DTYPE_NAMES):
+    _dt = getattr(torch, _name, None)
+    if isinstance(_dt, torch.dtype):
+        DTYPE_CODE[_dt] = _code
+        CODE_DTYPE[_code] = _dt
+
+_DTYPE_EXT = {dt: msgpack.ExtType(codec.EXT_DTYPE, bytes([code])) for dt, code in DTYPE_CODE.items()}
+_MEMORY_FORMAT_EXT = {
+    getattr(torch, name): msgpack.ExtType(codec.EXT_MEMORY_FORMAT, bytes([code]))
+    for code, name in enumerate(codec.MEMORY_FORMAT_NAMES)
+}
+_LAYOUT_EXT = {
+    getattr(torch, name): msgpack.ExtType(codec.EXT_LAYOUT, bytes([code]))
+    for code, name in enumerate(codec.LAYOUT_NAMES) if hasattr(torch, name)
+}
+_GENERATOR_EXT = msgpack.ExtType(codec.EXT_GENERATOR, b"")
+_pack = msgpack.Packer(use_bin_type=True, autoreset=True).pack
+MAX_INLINE_BYTES = 1 << 20
+DEVICE_TYPE = "gpuwire"
+
+
+class UnsupportedArgument(TypeError):
+    pass
+
+
+def tensor_ext(t: torch.Tensor) -> msgpack.ExtType:
+    """The wire descriptor of a gpuwire tensor: its storage id (the storage's virtual
+    address), element offset, sizes, strides, dtype and conj/neg bits."""
+    offset = t.storage_offset()
+    flags = 0
+    if t.is_conj():
+        flags |= 1
+    if t.is_neg():
+        flags |= 2
+    pointer = t.data_ptr()
+    # an empty tensor reports a null data pointer; its storage still has its address
+    storage_id = pointer - offset * t.element_size() if pointer else t.untyped_storage().data_ptr()
+    return msgpack.ExtType(codec.EXT_TENSOR, _pack((storage_id, offset, t.shape, t.stride(), DTYPE_CODE[t.dtype], flags)))
+
+
+def inline_ext(t: torch.Tensor) -> msgpack.ExtType:
+    """A host tensor passed by value (e.g. a 0-dim CPU scalar tensor in ``x + torch.tensor(2.)``)."""
+    c = t.detach().resolve_conj().resolve_neg().contiguous()
+    nbytes = c.numel() * c.element_size()
+    if nbytes > MAX_INLINE_BYTES:
+        raise UnsupportedArgument(
+            f"a CPU tensor of {nbytes} bytes was passed to an op on the gpuwire device; move it to the "
+            "device first (tensor.to('gpuwire'))")
+    data = bytes(c.view(-1).view(torch.uint8).numpy()) if nbytes else b""
+    return msgpack.ExtType(codec.EXT_INLINE_TENSOR, _pack((DTYPE_CODE[c.dtype], c.shape, data)))
+
+
+def encode_default(obj):
+    """msgpack ``default`` hook for the client."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == DEVICE_TYPE:
+            return tensor_ext(obj)
+        if obj.device.type == "cpu":
+            return inline_ext(obj)
+        raise UnsupportedArgument(f"a tensor on device {obj.device} cannot be used in an op on the gpuwire device")
+    ext = _DTYPE_EXT.get(obj) if isinstance(obj, torch.dtype) else None
+    if ext is not None:
+        return ext
+    if isinstance(obj, torch.device):
+        return msgpack.ExtType(codec.EXT_DEVICE, _pack((obj.type, obj.index)))
+    if isinstance(obj, torch.memory_format):
+        return _MEMORY_FORMAT_EXT[obj]
+    if isinstance(obj, torch.layout):
+        return _LAYOUT_EXT[obj]
+    if isinstance(obj, complex):
+        return codec.pack_complex(obj)
+    if isinstance(obj, torch.Generator):
+        return _GENERATOR_EXT
+    if isinstance(obj, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        raise UnsupportedArgument("symbolic sizes cannot be sent to a gpuwire node")
+    raise UnsupportedArgument(f"cannot send a value of type {type(obj).__name__} to a gpuwire node")

@@ -1,0 +1,87 @@
+"""Which ops a node will run, and how an op name from the wire becomes a callable.
+
+Sits between a session and torch: names arrive as strings (``"aten::add.out"``); only the
+``aten`` namespace and gpuwire's own fused ops (``gpuwire::…``, defined here) resolve. Ops with
+host side effects are refused by name, whatever the namespace says.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class OpRefused(Exception):
+    """The op is not allowed on a gpuwire node (unknown namespace or host side effects)."""
+
+
+# Ops in the aten namespace that touch the node's filesystem, processes or stdout, or that
+# let a client reach memory by raw pointer. Refused regardless of arguments.
+DENIED_ATEN = frozenset({
+    "from_file", "_print", "save", "_assert_async", "_assert_scalar", "_async_error",
+    "set_.source_Storage", "set_.source_Storage_storage_offset", "set_.source_Tensor", "set_",
+    "_make_per_tensor_quantized_tensor", "_make_per_channel_quantized_tensor",
+    "record_stream", "_pin_memory", "pin_memory", "to_mkldnn", "mkldnn_reorder_conv2d_weight",
+    "_nested_from_padded", "_nested_tensor_from_mask", "lift_fresh", "_cudnn_rnn_flatten_weight",
+    "_debug_has_internal_overlap", "_unsafe_set_version_counter", "_copy_from", "_copy_from_and_resize",
+    "resize_", "resize_as_", "_resize_output_", "_unsafe_index_put",
+})
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+def _sdpa_backward(grad_out, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False, mask_requires_grad=False):
+    """Gradients of SDPA by recomputing the forward under autograd on the node (same kernels
+    as a local run, so results match bit for bit)."""
+    with torch.enable_grad():
+        q, k, v = (t.detach().requires_grad_(True) for t in (query, key, value))
+        inputs = [q, k, v]
+        mask = attn_mask
+        if mask is not None and mask_requires_grad:
+            mask = attn_mask.detach().requires_grad_(True)
+            inputs.append(mask)
+        out = _sdpa(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
+        grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
+    grads = list(grads) + [None] * (4 - len(grads))
+    return tuple(g if g is not None else None for g in grads)
+
+
+GPUWIRE_OPS = {
+    "gpuwire::sdpa": _sdpa,
+    "gpuwire::sdpa_backward": _sdpa_backward,
+}
+
+
+class OpTable:
+    """Resolves op names to callables, with a cache (one dict lookup on the hot path)."""
+
+    def __init__(self):
+        self._cache: dict[str, object] = {}
+
+    def resolve(self, name: str):
+        fn = self._cache.get(name)
+        if fn is None:
+            fn = self._cache[name] = _resolve(name)
+        return fn
+
+
+def _resolve(name: str):
+    if name in GPUWIRE_OPS:
+        return GPUWIRE_OPS[name]
+    namespace, sep, qualified = name.partition("::")
+    if not sep or namespace != "aten":
+        raise OpRefused(f"op {name!r} is refused: a gpuwire node runs only ops of the aten namespace")
+    packet_name, _, overload = qualified.partition(".")
+    if qualified in DENIED_ATEN or packet_name in DENIED_ATEN:
+        raise OpRefused(f"op {name!r} is refused: it has host side effects or raw memory access")
+    if not packet_name.isidentifier() or (overload and not overload.isidentifier()):
+        raise OpRefused(f"op name {name!r} is malformed")
+    try:
+        packet = getattr(torch.ops.aten, packet_name)
+        return getattr(packet, overload or "default")
+    except (AttributeError, RuntimeError):
+        raise OpRefused(f"op {name!r} does not exist in this node's torch {torch.__version__}") from None

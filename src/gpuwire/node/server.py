@@ -1,0 +1,184 @@
+"""``gpuwire serve``: the node's TCP server.
+
+Sits at the I/O edge of the node: it accepts connections, runs the handshake, and feeds the
+bytes of each connection through a sans-IO ``protocol.Connection`` into that connection's
+``Session``; replies go back with scatter-gather writes (bulk bytes are never joined).
+One thread per connection; ops of all sessions run one batch at a time on the device.
+A session's failure (bad input, protocol error, dropped client) ends only that session.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+import threading
+
+from .. import __version__
+from .._io import send_parts
+from ..protocol import CLOSED, NEED_DATA, Connection, Limits, ProtocolError, Role, check_hello
+from ..protocol.events import Goodbye, Hello, Reject, Welcome
+from .backend import Backend
+from .ops import OpTable
+from .session import RngOwner, Session
+
+log = logging.getLogger("gpuwire.node")
+
+RECV_BYTES = 1 << 20
+
+
+class NodeServer:
+    def __init__(self, host: str = "127.0.0.1", port: int = 7070, *, backend: Backend | None = None,
+                 token: str | None = None, limits: Limits | None = None, max_sessions: int = 64,
+                 handshake_timeout: float = 10.0, idle_timeout: float | None = None):
+        self.host = host
+        self.port = port
+        self.backend = backend or Backend.select("auto")
+        self.token = token
+        self.limits = limits or Limits()
+        self.max_sessions = max_sessions
+        self.handshake_timeout = handshake_timeout
+        self.idle_timeout = idle_timeout
+        self.rng = RngOwner(self.backend)
+        self.ops = OpTable()
+        self.sessions: dict[str, Session] = {}
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+        self._closing = threading.Event()
+        self._threads: set[threading.Thread] = set()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def bind(self) -> tuple[str, int]:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((self.host, self.port))
+        listener.listen(128)
+        self._listener = listener
+        self.port = listener.getsockname()[1]
+        return self.host, self.port
+
+    def serve_forever(self) -> None:
+        if self._listener is None:
+            self.bind()
+        listener = self._listener
+        while not self._closing.is_set():
+            try:
+                sock, addr = listener.accept()
+            except OSError:
+                if self._closing.is_set():
+                    break
+                raise
+            thread = threading.Thread(target=self._serve_connection, args=(sock, addr), daemon=True,
+                                      name=f"gpuwire-session-{addr[0]}:{addr[1]}")
+            self._threads.add(thread)
+            thread.start()
+
+    def start_background(self) -> threading.Thread:
+        if self._listener is None:
+            self.bind()
+        thread = threading.Thread(target=self.serve_forever, daemon=True, name="gpuwire-accept")
+        thread.start()
+        return thread
+
+    def close(self) -> None:
+        self._closing.set()
+        if self._listener is not None:
+            try:
+                self._listener.close()
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------ one connection
+
+    def _serve_connection(self, sock: socket.socket, addr) -> None:
+        peer = f"{addr[0]}:{addr[1]}"
+        session = Session(self.backend, self.rng, self.ops, peer=peer)
+        conn = Connection(Role.SERVER, limits=self.limits, ext_hook=session.ext_hook)
+        registered = False
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(self.handshake_timeout)
+            hello = self._read_hello(sock, conn)
+            if hello is None:
+                return
+            refusal = self._refusal(hello)
+            if refusal is None:
+                with self._lock:
+                    if len(self.sessions) >= self.max_sessions:
+                        refusal = f"node is full ({self.max_sessions} sessions); try again later or use another node"
+                    else:
+                        self.sessions[session.id] = session
+                        registered = True
+            if refusal is not None:
+                log.warning("refused session from %s: %s", peer, refusal)
+                sock.sendall(conn.send(Reject(reason=refusal, server_version=__version__)))
+                return
+            sock.sendall(conn.send(Welcome(server_version=__version__, capabilities=["sync-ops"],
+                                           session_id=session.id, device=self.backend.describe(),
+                                           limits=self.limits.as_dict())))
+            log.info("session %s opened from %s (client %s)", session.id, peer, hello.client_version)
+            sock.settimeout(self.idle_timeout)
+            self._session_loop(sock, conn, session)
+        except ProtocolError as exc:
+            log.warning("session %s from %s dropped: protocol error: %s", session.id, peer, exc)
+        except (ConnectionError, socket.timeout, OSError) as exc:
+            log.info("session %s from %s ended: %s", session.id, peer, exc)
+        except Exception:  # noqa: BLE001 - a bug must not take the node down
+            log.exception("session %s from %s failed", session.id, peer)
+        finally:
+            if registered:
+                with self._lock:
+                    self.sessions.pop(session.id, None)
+                log.info("session %s closed: freed %d bytes in %d storages after %d ops", session.id,
+                         session.bytes_in_use, len(session.storages), session.ops_run)
+            session.close()
+            try:
+                sock.close()
+            except OSError:
+                pass
+            self._threads.discard(threading.current_thread())
+
+    def _read_hello(self, sock: socket.socket, conn: Connection) -> Hello | None:
+        while True:
+            event = conn.next_event()
+            if event is NEED_DATA:
+                data = sock.recv(65536)
+                conn.receive_data(data)
+                continue
+            if event is CLOSED:
+                return None
+            return event
+
+    def _refusal(self, hello: Hello) -> str | None:
+        try:
+            check_hello(hello, __version__)
+        except ProtocolError as exc:
+            return str(exc)
+        if self.token is not None:
+            offered = hello.token or ""
+            if not hmac.compare_digest(offered.encode(), self.token.encode()):
+                return "invalid or missing token for this node (set GPUWIRE_TOKEN or pass --token)"
+        return None
+
+    def _session_loop(self, sock: socket.socket, conn: Connection, session: Session) -> None:
+        handle = session.handle
+        next_event = conn.next_event
+        while True:
+            data = sock.recv(RECV_BYTES)
+            conn.receive_data(data)
+            replies = []
+            while True:
+                event = next_event()
+                if event is NEED_DATA:
+                    break
+                if event is CLOSED or type(event) is Goodbye:
+                    if replies:
+                        send_parts(sock, replies)
+                    return
+                reply = handle(event)
+                if reply is not None:
+                    replies.extend(conn.send_parts(reply))
+            if replies:
+                send_parts(sock, replies)

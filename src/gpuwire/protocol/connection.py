@@ -1,0 +1,344 @@
+"""Sans-IO connection state machine for the data plane (in the style of h11).
+
+No sockets here: ``send(event)`` returns the bytes to write, ``receive_data(bytes)`` feeds
+what was read (``b""`` for end of stream), ``next_event()`` returns the next complete event,
+``NEED_DATA`` or ``CLOSED``. The transport (client runtime, node server) owns all I/O.
+
+Frame layout (all integers big-endian)::
+
+    u32 header_len | u64 payload_len | header (msgpack array [code, *fields]) | payload
+
+Every length is checked against ``Limits`` before anything is buffered or allocated; msgpack
+decoding runs with per-container bounds and a hard nesting limit. A malformed frame raises
+:class:`ProtocolError` naming what was wrong, and the connection is then unusable.
+
+Op names are interned per connection: the first ``Op`` naming an op carries a definition
+frame, later ones a small integer, invisibly to both sides' application code.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import msgpack
+
+from . import codec
+from .events import (
+    CLIENT_EVENTS,
+    EVENT_TYPES,
+    MAGIC,
+    PROTOCOL_VERSION,
+    SERVER_EVENTS,
+    CallSync,
+    Event,
+    Goodbye,
+    Hello,
+    Op,
+    Reject,
+    Welcome,
+    wire_fields,
+)
+
+PREFIX = struct.Struct("!IQ")
+_DEFINE_OP = 10  # internal frame: [10, op_index, name]
+
+
+class ProtocolError(Exception):
+    """The peer sent something that is not valid gpuwire protocol."""
+
+
+class VersionMismatch(ProtocolError):
+    """The two sides speak different protocol versions."""
+
+
+class Role(enum.Enum):
+    CLIENT = "client"
+    SERVER = "server"
+
+
+class State(enum.Enum):
+    HANDSHAKE = "handshake"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class _Sentinel:
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+NEED_DATA = _Sentinel("NEED_DATA")
+CLOSED = _Sentinel("CLOSED")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds applied to every received frame before allocation."""
+
+    max_header_bytes: int = 16 << 20
+    max_payload_bytes: int = 256 << 20
+    max_array_len: int = 1 << 20
+    max_map_len: int = 1 << 12
+    max_str_len: int = 1 << 20
+    max_bin_len: int = 1 << 24
+    max_ext_len: int = 1 << 20
+    max_op_names: int = 1 << 16
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def check_hello(hello: Hello, server_version: str) -> None:
+    """Server side: raise VersionMismatch (naming both versions) unless the client is compatible."""
+    if hello.magic != MAGIC:
+        raise ProtocolError(f"not a gpuwire client (magic {hello.magic!r})")
+    if hello.protocol_version != PROTOCOL_VERSION:
+        raise VersionMismatch(
+            f"protocol version mismatch: client {hello.client_version or '?'} speaks protocol "
+            f"v{hello.protocol_version}, node {server_version} speaks v{PROTOCOL_VERSION}; "
+            "install the same gpuwire release on both sides")
+
+
+class Connection:
+    """One side of one data-plane connection."""
+
+    def __init__(self, role: Role, *, limits: Limits | None = None, default=None, ext_hook=None):
+        self.role = role
+        self.limits = limits or Limits()
+        self.state = State.HANDSHAKE
+        self._packer = msgpack.Packer(default=default or codec.default, use_bin_type=True, autoreset=True)
+        self._ext_hook = ext_hook or codec.ext_hook
+        self._buffer = bytearray()
+        self._pos = 0
+        self._eof = False
+        self._op_index: dict[str, int] = {}  # our outgoing interned names
+        self._op_names: list[str] = []  # the peer's interned names
+        self._outgoing = CLIENT_EVENTS if role is Role.CLIENT else SERVER_EVENTS
+        self._incoming = SERVER_EVENTS if role is Role.CLIENT else CLIENT_EVENTS
+        self.peer_hello: Hello | None = None
+        self.peer_welcome: Welcome | None = None
+
+    # ------------------------------------------------------------ sending
+
+    def send(self, event: Event) -> bytes:
+        """Bytes to write for ``event`` (frame header and payload joined)."""
+        return b"".join(self.send_parts(event))
+
+    def send_parts(self, event: Event) -> list:
+        """Like ``send`` but returns a list of buffers for scatter-gather I/O; a payload is
+        returned as-is (no copy), so large transfers can go straight to ``socket.sendmsg``."""
+        cls = type(event)
+        if cls not in self._outgoing:
+            raise ProtocolError(f"a {self.role.value} cannot send {cls.__name__}")
+        if self.state is State.CLOSED:
+            raise ProtocolError("connection is closed")
+        if self.state is State.HANDSHAKE:
+            expected = Hello if self.role is Role.CLIENT else (Welcome, Reject)
+            if not isinstance(event, expected):
+                raise ProtocolError(f"{cls.__name__} sent before the handshake completed")
+        parts = []
+        if cls is Op or cls is CallSync:
+            index = self._op_index.get(event.name)
+            if index is None:
+                index = self._op_index[event.name] = len(self._op_index)
+                parts.append(self._frame(self._packer.pack((_DEFINE_OP, index, event.name)), 0))
+            fields = list(event.fields())
+            fields[1] = index
+            header = self._packer.pack((cls.code, *fields))
+        else:
+            header = self._packer.pack((cls.code, *event.fields()))
+        payload = event.payload if cls.has_payload else b""
+        payload_len = memoryview(payload).nbytes if payload else 0
+        parts.append(self._frame(header, payload_len))
+        if payload_len:
+            parts.append(payload)
+        self._after_send(event)
+        return parts
+
+    def encode_op(self, seq: int, name: str, args, kwargs, outs) -> bytes:
+        """Hot path for the client: the frame(s) of an ``Op`` without building the event."""
+        if self.state is not State.OPEN:
+            raise ProtocolError("Op sent before the handshake completed")
+        index = self._op_index.get(name)
+        if index is None:
+            index = self._op_index[name] = len(self._op_index)
+            define = self._frame(self._packer.pack((_DEFINE_OP, index, name)), 0)
+            return define + self._frame(self._packer.pack((Op.code, seq, index, args, kwargs, outs)), 0)
+        return self._frame(self._packer.pack((Op.code, seq, index, args, kwargs, outs)), 0)
+
+    @staticmethod
+    def _frame(header: bytes, payload_len: int) -> bytes:
+        return PREFIX.pack(len(header), payload_len) + header
+
+    def _after_send(self, event: Event) -> None:
+        if isinstance(event, (Reject, Goodbye)):
+            self.state = State.CLOSED
+        elif isinstance(event, Welcome):
+            self.state = State.OPEN
+
+    # ------------------------------------------------------------ receiving
+
+    def receive_data(self, data: bytes) -> None:
+        if data:
+            if self._eof:
+                raise ProtocolError("data received after end of stream")
+            self._buffer += data
+        else:
+            self._eof = True
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buffer) - self._pos
+
+    def next_event(self):
+        while True:
+            event = self._next_frame()
+            if event is not _DEFINE:
+                return event
+
+    def _next_frame(self):
+        buf = self._buffer
+        start = self._pos
+        available = len(buf) - start
+        if available < PREFIX.size:
+            return self._starved(available)
+        header_len, payload_len = PREFIX.unpack_from(buf, start)
+        if header_len == 0 or header_len > self.limits.max_header_bytes:
+            raise ProtocolError(f"frame header of {header_len} bytes is outside 1..{self.limits.max_header_bytes}")
+        if payload_len > self.limits.max_payload_bytes:
+            raise ProtocolError(f"frame payload of {payload_len} bytes exceeds the limit of {self.limits.max_payload_bytes}")
+        end = start + PREFIX.size + header_len + payload_len
+        if len(buf) < end:
+            return self._starved(available)
+        header_end = start + PREFIX.size + header_len
+        raw_header = bytes(buf[start + PREFIX.size:header_end])
+        payload = bytes(buf[header_end:end]) if payload_len else b""
+        # consume the frame before decoding it: a frame that fails to decode is never seen twice
+        self._pos = end
+        if self._pos > (1 << 20) and self._pos * 2 > len(buf):
+            del buf[:self._pos]
+            self._pos = 0
+        return self._to_event(self._decode_header(raw_header), payload, payload_len)
+
+    def _starved(self, available: int):
+        if self._eof:
+            if available:
+                raise ProtocolError(f"connection closed in the middle of a frame ({available} bytes left over)")
+            self.state = State.CLOSED
+            return CLOSED
+        return NEED_DATA
+
+    def _decode_header(self, raw: bytes):
+        lim = self.limits
+        try:
+            header = msgpack.unpackb(
+                raw, raw=False, use_list=True, strict_map_key=True, ext_hook=self._ext_hook,
+                max_array_len=lim.max_array_len, max_map_len=lim.max_map_len, max_str_len=lim.max_str_len,
+                max_bin_len=lim.max_bin_len, max_ext_len=lim.max_ext_len)
+        except msgpack.StackError:
+            raise ProtocolError("frame header nests too deeply") from None
+        except ProtocolError:
+            raise
+        except codec.DecodeError as exc:
+            raise ProtocolError(f"bad value in frame: {exc}") from None
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            raise ProtocolError(f"frame header is not valid msgpack: {exc}") from None
+        if not isinstance(header, list) or not header or type(header[0]) is not int:
+            raise ProtocolError("frame header must be a non-empty array starting with an event code")
+        return header
+
+    def _to_event(self, header: list, payload: bytes, payload_len: int):
+        code = header[0]
+        if code == _DEFINE_OP:
+            self._define_op(header)
+            return _DEFINE
+        cls = EVENT_TYPES.get(code)
+        if cls is None:
+            raise ProtocolError(f"unknown event code {code}")
+        if cls not in self._incoming:
+            raise ProtocolError(f"a {self.role.value} cannot receive {cls.__name__}")
+        if bool(payload_len) and not cls.has_payload:
+            raise ProtocolError(f"{cls.__name__} frames carry no payload")
+        fields = header[1:]
+        names = wire_fields(cls)
+        if len(fields) != len(names):
+            raise ProtocolError(f"{cls.__name__} frame has {len(fields)} fields, expected {len(names)}")
+        if cls is Op or cls is CallSync:
+            index = fields[1]
+            if type(index) is not int or not 0 <= index < len(self._op_names):
+                raise ProtocolError(f"{cls.__name__} names undefined op index {index!r}")
+            fields[1] = self._op_names[index]
+        try:
+            event = cls(*fields, payload) if cls.has_payload else cls(*fields)
+        except TypeError as exc:
+            raise ProtocolError(f"malformed {cls.__name__}: {exc}") from None
+        _check_field_types(event)
+        self._after_receive(event)
+        return event
+
+    def _define_op(self, header: list) -> None:
+        if len(header) != 3 or type(header[1]) is not int or not isinstance(header[2], str):
+            raise ProtocolError("malformed op definition frame")
+        if header[1] != len(self._op_names):
+            raise ProtocolError(f"op definitions out of order: got index {header[1]}, expected {len(self._op_names)}")
+        if len(self._op_names) >= self.limits.max_op_names:
+            raise ProtocolError("too many distinct op names on one connection")
+        if len(header[2]) > 256:
+            raise ProtocolError("op name longer than 256 characters")
+        self._op_names.append(header[2])
+
+    def _after_receive(self, event: Event) -> None:
+        if self.state is State.HANDSHAKE:
+            expected = Hello if self.role is Role.SERVER else (Welcome, Reject)
+            if not isinstance(event, expected):
+                raise ProtocolError(f"expected a handshake, got {type(event).__name__}")
+            if isinstance(event, Hello):
+                if event.magic != MAGIC:
+                    raise ProtocolError(f"not a gpuwire client (magic {event.magic!r})")
+                self.peer_hello = event
+            elif isinstance(event, Welcome):
+                if event.magic != MAGIC:
+                    raise ProtocolError(f"not a gpuwire node (magic {event.magic!r})")
+                if event.protocol_version != PROTOCOL_VERSION:
+                    raise VersionMismatch(
+                        f"protocol version mismatch: node {event.server_version} speaks protocol "
+                        f"v{event.protocol_version}, this client speaks v{PROTOCOL_VERSION}; "
+                        "install the same gpuwire release on both sides")
+                self.peer_welcome = event
+                self.state = State.OPEN
+            else:
+                self.state = State.CLOSED
+        elif isinstance(event, (Goodbye, Reject)):
+            self.state = State.CLOSED
+
+
+_DEFINE = _Sentinel("DEFINE")
+
+# Field types checked on receipt, so application code never sees e.g. a string where an
+# integer storage id belongs. (name -> accepted types)
+_INT = (int,)
+_FIELD_TYPES = {
+    "seq": _INT, "storage_id": _INT, "byte_offset": _INT, "nbytes": _INT, "seed": _INT,
+    "reply_to": _INT, "protocol_version": _INT,
+    "name": (str,), "what": (str,), "magic": (str,), "reason": (str,), "client_version": (str,),
+    "server_version": (str,), "session_id": (str,), "op": (str,), "exc_type": (str,), "message": (str,),
+    "args": (list,), "kwargs": (dict,), "outs": (list,), "storage_ids": (list,), "capabilities": (list,),
+    "options": (dict,), "device": (dict,), "limits": (dict,), "token": (str, type(None)),
+}
+
+
+def _check_field_types(event: Event) -> None:
+    for name in wire_fields(type(event)):
+        accepted = _FIELD_TYPES.get(name)
+        if accepted is None:
+            continue
+        value = getattr(event, name)
+        if type(value) not in accepted:
+            raise ProtocolError(f"{type(event).__name__}.{name} has type {type(value).__name__}")
+        if accepted is _INT and value < 0:
+            raise ProtocolError(f"{type(event).__name__}.{name} is negative")

@@ -1,0 +1,111 @@
+"""Everyday tensor work on the gpuwire device, compared with the same work on CPU."""
+
+import pytest
+import torch
+
+import gpuwire
+
+
+def test_device_prints_as_gpuwire(device):
+    t = torch.ones(2, device=device)
+    assert str(t.device) == "gpuwire:0"
+    assert "device='gpuwire:0'" in repr(t)
+
+
+def test_roundtrip_copy_is_exact(device):
+    x = torch.randn(33, 17)
+    assert torch.equal(x.to(device).cpu(), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64,
+                                   torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool])
+def test_dtypes_roundtrip(device, dtype):
+    x = (torch.randn(5, 7) * 10).to(dtype)
+    assert torch.equal(x.to(device).cpu(), x)
+
+
+def test_noncontiguous_and_converting_copies(device):
+    x = torch.randn(6, 8)
+    d = x.to(device)
+    assert torch.equal(d.t().cpu(), x.t())
+    assert torch.equal(d[:, ::2].cpu(), x[:, ::2])
+    assert torch.equal(d.to(torch.float16).cpu(), x.to(torch.float16))
+    target = torch.zeros(8, 6, device=device)
+    target.copy_(x.t())
+    assert torch.equal(target.cpu(), x.t())
+    back = torch.empty(6, 8, dtype=torch.float64)
+    back.copy_(d)
+    assert torch.equal(back, x.double())
+    strided = torch.zeros(6, 16, device=device)[:, ::2]
+    strided.copy_(x)
+    assert torch.equal(strided.cpu(), x)
+
+
+def test_views_send_no_message(device):
+    d = torch.randn(4, 6, device=device)
+    gpuwire.synchronize()
+    rt = gpuwire.client.device.current_runtime()
+    before = rt.ops_sent
+    v = d.view(24)
+    v = v.view(6, 4).t()
+    v = v[1:, ::2]
+    v = d.unsqueeze(0).expand(3, 4, 6)
+    assert rt.ops_sent == before
+    assert v.shape == (3, 4, 6)
+
+
+def test_inplace_and_out(device):
+    x = torch.randn(5, 5)
+    d = x.to(device)
+    d.mul_(2).add_(1)
+    assert torch.equal(d.cpu(), x * 2 + 1)
+    out = torch.empty(0, device=device)
+    torch.add(d, d, out=out)
+    assert out.shape == (5, 5)
+    assert torch.equal(out.cpu(), (x * 2 + 1) * 2)
+
+
+def test_reductions_and_indexing(device):
+    x = torch.randn(7, 9)
+    d = x.to(device)
+    assert torch.equal(d.sum(0).cpu(), x.sum(0))
+    assert torch.equal(d.amax(1).cpu(), x.amax(1))
+    assert torch.equal(d.argmax(1).cpu(), x.argmax(1))
+    assert d.mean().item() == x.mean().item()
+    assert torch.equal(d[d > 0].cpu(), x[x > 0])
+    assert torch.equal(d.nonzero().cpu(), x.nonzero())
+    assert torch.equal(torch.where(d > 0, d, -d).cpu(), torch.where(x > 0, x, -x))
+    idx = torch.tensor([0, 3, 3, 6])
+    assert torch.equal(d[idx.to(device)].cpu(), x[idx])
+    d[idx.to(device)] = 0.0
+    x[idx] = 0.0
+    assert torch.equal(d.cpu(), x)
+
+
+def test_cat_stack_split_matmul(device):
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    da, db = a.to(device), b.to(device)
+    assert torch.equal(torch.cat([da, db], 1).cpu(), torch.cat([a, b], 1))
+    assert torch.equal(torch.stack([da, db]).cpu(), torch.stack([a, b]))
+    assert all(torch.equal(p.cpu(), q) for p, q in zip(da.split(2, 1), a.split(2, 1)))
+    assert torch.equal((da @ db.t()).cpu(), a @ b.t())
+    assert torch.equal(torch.bmm(da[None], db.t()[None]).cpu(), torch.bmm(a[None], b.t()[None]))
+    assert torch.equal(torch.einsum("ij,kj->ik", da, db).cpu(), torch.einsum("ij,kj->ik", a, b))
+
+
+def test_random_is_reproducible_and_matches_cpu(device):
+    torch.manual_seed(123)
+    r1 = torch.randn(100, device=device).cpu()
+    torch.manual_seed(123)
+    r2 = torch.randn(100, device=device).cpu()
+    torch.manual_seed(123)
+    local = torch.randn(100)
+    assert torch.equal(r1, r2)
+    assert torch.equal(r1, local)
+
+
+def test_item_tolist_and_scalars(device):
+    d = torch.tensor([1.5, 2.5], device=device)
+    assert d.tolist() == [1.5, 2.5]
+    assert (d * torch.tensor(2.0)).cpu().tolist() == [3.0, 5.0]
+    assert bool((d > 1).all())

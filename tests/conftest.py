@@ -1,0 +1,85 @@
+"""Shared fixtures: a real node process on loopback, and the client attached to it.
+
+Every test that uses the device talks to a real ``gpuwire serve`` subprocess over TCP; the
+node is started once per test session and killed (by pid) at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+os.environ.setdefault("GPUWIRE_AUTOLOAD", "1")
+
+
+class NodeProcess:
+    """A ``gpuwire serve`` child on an ephemeral loopback port."""
+
+    def __init__(self, *extra: str, env: dict | None = None, backend: str = "cpu"):
+        cmd = [sys.executable, "-m", "gpuwire", "serve", "--host", "127.0.0.1", "--port", "0",
+               "--backend", backend, "--log-level", "info", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, **(env or {})})
+        self.stderr_lines: list[str] = []
+        line = _readline_with_timeout(self.proc.stdout, 60)
+        match = re.search(r"listening on (\S+):(\d+)", line or "")
+        if not match:
+            self.kill()
+            raise RuntimeError(f"node did not start: {line!r} {self.proc.stderr.read()}")
+        self.host, self.port = match.group(1), int(match.group(2))
+        self.address = f"{self.host}:{self.port}"
+        self._drain = threading.Thread(target=self._collect_stderr, daemon=True)
+        self._drain.start()
+
+    def _collect_stderr(self):
+        for line in self.proc.stderr:
+            self.stderr_lines.append(line)
+
+    def log_text(self) -> str:
+        return "".join(self.stderr_lines)
+
+    def kill(self, sig=signal.SIGKILL):
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+            self.proc.wait(timeout=30)
+
+
+def _readline_with_timeout(stream, timeout: float) -> str:
+    out = []
+    reader = threading.Thread(target=lambda: out.append(stream.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return out[0] if out else ""
+
+
+@pytest.fixture(scope="session")
+def node():
+    proc = NodeProcess()
+    yield proc
+    proc.kill()
+
+
+@pytest.fixture(scope="session")
+def device(node):
+    """The gpuwire device, attached to the session's node."""
+    import torch
+
+    import gpuwire
+    gpuwire.attach(node.address)
+    yield torch.device("gpuwire")
+    gpuwire.detach()
+
+
+@pytest.fixture
+def fresh_node():
+    """A node of its own, for tests that kill or break it."""
+    proc = NodeProcess()
+    yield proc
+    proc.kill()
