@@ -43,11 +43,13 @@ def stats() -> dict:
 def _register_now() -> None:
     try:
         from .client.device import register
+        from .client.shims import install
     except ImportError:
         # gpuwire is being imported from inside torch's own import (backend autoload) while
         # this module is itself half-imported; the outer import registers at its end
         return
     register()
+    install()
 
 
 _register_now()

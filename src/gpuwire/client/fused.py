@@ -61,5 +61,44 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     return _RemoteSDPA.apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
+def _dropout(input, p: float, train: bool):
+    """``dropout`` as the node's device type runs it locally, so a seeded run draws the same
+    random numbers: the CPU path is bernoulli + scale (ATen's ``_dropout_impl``), the CUDA
+    path is the fused ``native_dropout``."""
+    if not train or p == 0.0 or input.numel() == 0:
+        return input.clone() if train else input
+    if p == 1.0:
+        return input * torch.zeros_like(input)
+    if _device.runtime().device_info.get("backend") == "cpu":
+        noise = torch.empty_like(input).bernoulli_(1 - p)
+        noise.div_(1 - p)
+        return input * noise
+    return torch.ops.aten.native_dropout.default(input, p, train)[0]
+
+
+def _kernels_that_decompose_only_here() -> list[str]:
+    """Ops with a CPU kernel whose PrivateUse1 path would be a composite decomposition
+    (different rounding than the kernel the node has); we send them whole instead."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    names = []
+    for name in torch._C._dispatch_get_all_op_names():
+        if (name.startswith("aten::") and has(name, "CPU") and not has(name, "PrivateUse1")
+                and (has(name, "CompositeExplicitAutograd") or has(name, "CompositeImplicitAutograd"))):
+            names.append(name)
+    return names
+
+
 def register(aten_library: torch.library.Library) -> None:
     aten_library.impl("scaled_dot_product_attention", _sdpa, "AutogradPrivateUse1")
+    aten_library.impl("dropout", _dropout, "AutogradPrivateUse1")
+    for qualified in _kernels_that_decompose_only_here():
+        name = qualified[len("aten::"):]
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+        aten_library.impl(name, _whole(op), "PrivateUse1")
+
+
+def _whole(op):
+    def kernel(*args, **kwargs):
+        return _device._fallback(op, *args, **kwargs)
+    return kernel
