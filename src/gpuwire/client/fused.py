@@ -91,6 +91,8 @@ def _kernels_that_decompose_only_here() -> list[str]:
 def register(aten_library: torch.library.Library) -> None:
     aten_library.impl("scaled_dot_product_attention", _sdpa, "AutogradPrivateUse1")
     aten_library.impl("dropout", _dropout, "AutogradPrivateUse1")
+    from . import recompute
+    recompute.register(aten_library)
     for qualified in _kernels_that_decompose_only_here():
         name = qualified[len("aten::"):]
         packet, _, overload = name.partition(".")

@@ -6,6 +6,9 @@ original behaviour for everything that is not the gpuwire device, and says why i
 * ``Module.to/cpu/cuda`` across the gpuwire boundary swap parameters in place (PyTorch's
   ``param.data = …`` path refuses PrivateUse1, and the fallback of making new Parameter
   objects would silently untie tied weights, e.g. GPT-2's embedding and LM head).
+* ``torch.UntypedStorage(n, device="gpuwire")`` (used by ``storage.to``, hence by
+  ``torch.load(map_location=...)``) crashes in C++ for a Python backend with no allocator;
+  it is routed to a remote allocation.
 """
 
 from __future__ import annotations
@@ -63,10 +66,32 @@ def _target_cuda(device=None, *args, **kwargs):
     return torch.device("cuda")
 
 
+def _patch_untyped_storage() -> None:
+    original_new = torch.UntypedStorage.__new__
+
+    def __new__(cls, *args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == DEVICE_TYPE:
+            from . import device as _device
+            if args and not isinstance(args[0], int):
+                host = original_new(cls, *args, **{k: v for k, v in kwargs.items() if k != "device"})
+                remote = __new__(cls, host.nbytes(), device=device)
+                remote.copy_(host)
+                return remote
+            nbytes = args[0] if args else 0
+            rt = _device.runtime()
+            with rt.lock:
+                return _device.new_empty(rt, (nbytes,), (1,), torch.uint8).untyped_storage()
+        return original_new(cls, *args, **kwargs)
+
+    torch.UntypedStorage.__new__ = __new__
+
+
 def install() -> None:
     global _installed
     if _installed:
         return
+    _patch_untyped_storage()
     original_flag = torch.__future__.get_swap_module_params_on_conversion
 
     def get_swap_module_params_on_conversion() -> bool:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .composite import COMPOSITE_OPS
+
 
 class OpRefused(Exception):
     """The op is not allowed on a gpuwire node (unknown namespace or host side effects)."""
@@ -53,6 +55,7 @@ def _sdpa_backward(grad_out, query, key, value, attn_mask=None, dropout_p=0.0, i
 GPUWIRE_OPS = {
     "gpuwire::sdpa": _sdpa,
     "gpuwire::sdpa_backward": _sdpa_backward,
+    **COMPOSITE_OPS,
 }
 
 

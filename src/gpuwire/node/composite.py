@@ -1,0 +1,87 @@
+"""Node-side halves of ops that the client sends whole with a recompute backward.
+
+Sits beside ``node.ops`` (which resolves ``gpuwire::`` names to these functions). Some ATen
+ops are composites whose path depends on the device type (LSTM/GRU pick oneDNN on CPU and a
+CUDA-only fused cell on any other device; the client would otherwise take the wrong path).
+The client sends the whole op; its forward runs here exactly as it would locally, and its
+backward recomputes the forward under autograd here, with the random generator rewound to
+where the forward started so dropout draws the same masks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+
+def resolve_aten(name: str):
+    from .ops import OpRefused, _resolve  # ops imports this module
+
+    if not isinstance(name, str) or not name.startswith("aten::"):
+        raise OpRefused(f"only aten ops can be recomputed, not {name!r}")
+    return _resolve(name)
+
+
+def _generator_for(device: torch.device) -> torch.Generator:
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index or 0]
+    return torch.default_generator
+
+
+def _tensors(value) -> list:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        out = []
+        for v in value:
+            out.extend(_tensors(v))
+        return out
+    return []
+
+
+def _rebuild(value, replacements: iter):
+    if isinstance(value, torch.Tensor):
+        return next(replacements)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_rebuild(v, replacements) for v in value)
+    return value
+
+
+def forward_with_rng(name: str, *args):
+    """Run op ``name``; also return the generator state from before it ran (for backward)."""
+    op = resolve_aten(name)
+    device = next((t.device for t in _tensors(args)), torch.device("cpu"))
+    generator = _generator_for(device)
+    state = generator.get_state()
+    result = op(*args)
+    outs = list(result) if isinstance(result, (tuple, list)) else [result]
+    return (*outs, state.to(device))
+
+
+def backward_by_recompute(name: str, rng_state: torch.Tensor, grad_outputs: list, *args):
+    """Gradients of op ``name`` w.r.t. every tensor in ``args`` (zeros where none flows)."""
+    op = resolve_aten(name)
+    leaves = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in _tensors(args)]
+    rebuilt = _rebuild(args, iter(leaves))
+    generator = _generator_for(rng_state.device)
+    saved = generator.get_state()
+    generator.set_state(rng_state.cpu())
+    try:
+        with torch.enable_grad():
+            result = op(*rebuilt)
+    finally:
+        generator.set_state(saved)
+    outs = list(result) if isinstance(result, (tuple, list)) else [result]
+    pairs = [(o, g) for o, g in zip(outs, grad_outputs) if g is not None and o.requires_grad]
+    wanted = [leaf for leaf in leaves if leaf.requires_grad]
+    grads = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True) \
+        if pairs and wanted else [None] * len(wanted)
+    by_leaf = dict(zip(map(id, wanted), grads))
+    return tuple(by_leaf.get(id(leaf)) if by_leaf.get(id(leaf)) is not None else torch.zeros_like(leaf)
+                 for leaf in leaves)
+
+
+COMPOSITE_OPS = {
+    "gpuwire::forward_with_rng": forward_with_rng,
+    "gpuwire::backward_by_recompute": backward_by_recompute,
+}

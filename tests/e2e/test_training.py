@@ -1,0 +1,120 @@
+"""Training runs through a real node, compared with the same runs on local CPU, bit for bit."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gpuwire
+
+from .models import LSTMLanguageModel, SmallResNet, mlp, tiny_gpt2, tiny_llama, train_classifier
+
+
+def assert_states_equal(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"parameters differ from the CPU run: {different}"
+
+
+def test_resnet_cnn_20_sgd_steps_bit_for_bit(device):
+    cpu_losses, cpu_state = train_classifier(SmallResNet, "cpu", 20, "sgd")
+    losses, state = train_classifier(SmallResNet, device, 20, "sgd")
+    assert losses == cpu_losses
+    assert_states_equal(state, cpu_state)
+    assert losses[-1] < losses[0]
+
+
+def test_mlp_100_adamw_steps_bit_for_bit(device):
+    cpu_losses, cpu_state = train_classifier(mlp, "cpu", 100, "adamw", batch=(16, 784))
+    losses, state = train_classifier(mlp, device, 100, "adamw", batch=(16, 784))
+    assert losses == cpu_losses
+    assert_states_equal(state, cpu_state)
+
+
+def test_cnn_step_costs_exactly_one_round_trip(device):
+    torch.manual_seed(0)
+    model = SmallResNet().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(8, 3, 16, 16).to(device)
+    y = torch.randint(0, 10, (8,)).to(device)
+
+    def step():
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    step()
+    step()  # warm-up: the metadata cache is filled
+    before = gpuwire.stats()["round_trips"]
+    for _ in range(5):
+        step()
+    assert gpuwire.stats()["round_trips"] - before == 5
+
+
+def _lm_step(model, opt, ids):
+    out = model(input_ids=ids, labels=ids)
+    opt.zero_grad()
+    out.loss.backward()
+    opt.step()
+    return out.loss.item()
+
+
+@pytest.mark.parametrize("build", [tiny_gpt2, tiny_llama], ids=["gpt2", "llama"])
+def test_hugging_face_causal_lm(device, build, tmp_path):
+    def run(dev):
+        torch.manual_seed(0)
+        model = build().to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        data = torch.Generator().manual_seed(1)
+        losses = [_lm_step(model, opt, torch.randint(0, 256, (2, 16), generator=data).to(dev)) for _ in range(3)]
+        model.eval()
+        prompt = torch.tensor([[5, 17, 42, 7]]).to(dev)
+        tokens = model.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        return model, losses, tokens.cpu(), {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+    _, cpu_losses, cpu_tokens, cpu_state = run("cpu")
+    model, losses, tokens, state = run(device)
+    assert losses == cpu_losses
+    assert torch.equal(tokens, cpu_tokens)
+    assert_states_equal(state, cpu_state)
+
+    model.save_pretrained(tmp_path)
+    reloaded = type(model).from_pretrained(tmp_path).to(device)
+    assert_states_equal({k: v.cpu() for k, v in reloaded.state_dict().items()}, state)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_recurrent_language_model_step(device, cell):
+    def run(dev):
+        torch.manual_seed(0)
+        model = LSTMLanguageModel(cell=cell).to(dev)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        ids = torch.randint(0, 50, (4, 12), generator=torch.Generator().manual_seed(2)).to(dev)
+        losses = []
+        for _ in range(3):
+            logits = model(ids[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, 50), ids[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+    cpu_losses, cpu_state = run("cpu")
+    losses, state = run(device)
+    assert losses == cpu_losses
+    assert_states_equal(state, cpu_state)
+
+
+def test_state_dict_save_and_load_to_device(device, tmp_path):
+    torch.manual_seed(0)
+    model = SmallResNet().to(device)
+    path = tmp_path / "model.pt"
+    torch.save(model.state_dict(), path)
+    loaded = torch.load(path, map_location="gpuwire")
+    assert all(v.device.type == "gpuwire" for v in loaded.values())
+    expected = {k: v.cpu() for k, v in model.state_dict().items()}
+    assert_states_equal({k: v.cpu() for k, v in loaded.items()}, expected)
+    cpu_loaded = torch.load(path, map_location="cpu")
+    assert_states_equal(cpu_loaded, expected)
