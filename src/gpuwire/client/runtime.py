@@ -71,8 +71,10 @@ def parse_address(address: str, default_port: int = 7070) -> tuple[str, int]:
 
 
 class Runtime:
-    def __init__(self, address: str, *, token: str | None = None, connect_timeout: float = 10.0,
+    def __init__(self, address: str, *, token: str | None = None, connect_timeout: float | None = None,
                  reply_timeout: float | None = None):
+        if connect_timeout is None:
+            connect_timeout = float(os.environ.get("GPUWIRE_CONNECT_TIMEOUT", "10"))
         self.address = address
         self.host, self.port = parse_address(address)
         self.sync_every_op = os.environ.get("GPUWIRE_SYNC", "") not in ("", "0")

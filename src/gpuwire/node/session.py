@@ -119,9 +119,7 @@ class Session:
                 raise codec.DecodeError("malformed dtype")
             return self._dtype(data[0])
         if code == codec.EXT_DEVICE:
-            value = codec.unpack_small(data, "device")
-            if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str)):
-                raise codec.DecodeError("malformed device")
+            value = codec.unpack_device_fields(data)
             if value[0] == "cpu":
                 return torch.device("cpu")
             if value[0] == "meta":

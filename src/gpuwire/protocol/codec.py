@@ -147,10 +147,7 @@ def ext_hook(code: int, data: bytes):
             raise DecodeError("malformed dtype")
         return DType(check_dtype_code(data[0]))
     if code == EXT_DEVICE:
-        value = unpack_small(data, "device")
-        if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str)):
-            raise DecodeError("malformed device")
-        return Device(*value)
+        return Device(*unpack_device_fields(data))
     if code == EXT_MEMORY_FORMAT:
         if len(data) != 1 or data[0] >= len(MEMORY_FORMAT_NAMES):
             raise DecodeError("malformed memory format")
@@ -170,8 +167,24 @@ def ext_hook(code: int, data: bytes):
         value = unpack_small(data, "new tensor")
         if not (isinstance(value, tuple) and len(value) == 6):
             raise DecodeError("malformed new tensor")
+        storage_id, nbytes, offset, sizes, strides, dtype = value
+        _check_int(storage_id, "storage id", 0, 2**64 - 1)
+        _check_int(nbytes, "storage size", 0, 2**62)
+        _check_int(offset, "storage offset", 0, 2**62)
+        _check_dims(sizes, strides)
+        check_dtype_code(dtype)
         return NewTensor(*value)
     raise DecodeError(f"unknown extension type {code}")
+
+
+def unpack_device_fields(data: bytes) -> tuple:
+    """(type, index) of a device value; index is None or a small non-negative integer."""
+    value = unpack_small(data, "device")
+    if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str)):
+        raise DecodeError("malformed device")
+    if value[1] is not None:
+        _check_int(value[1], "device index", 0, 1 << 16)
+    return value
 
 
 def unpack_inline_tensor_fields(data: bytes) -> tuple:

@@ -144,12 +144,15 @@ class Connection:
         parts = []
         if cls is Op or cls is CallSync:
             index = self._op_index.get(event.name)
-            if index is None:
-                index = self._op_index[event.name] = len(self._op_index)
-                parts.append(self._frame(self._packer.pack((_DEFINE_OP, index, event.name)), 0))
+            new_name = index is None
+            if new_name:
+                index = len(self._op_index)
             fields = list(event.fields())
             fields[1] = index
             header = self._packer.pack((cls.code, *fields))
+            if new_name:  # only once the op encoded: a failed send must not leave a half-defined name
+                self._op_index[event.name] = index
+                parts.append(self._frame(self._packer.pack((_DEFINE_OP, index, event.name)), 0))
         else:
             header = self._packer.pack((cls.code, *event.fields()))
         payload = event.payload if cls.has_payload else b""
@@ -166,9 +169,10 @@ class Connection:
             raise ProtocolError("Op sent before the handshake completed")
         index = self._op_index.get(name)
         if index is None:
-            index = self._op_index[name] = len(self._op_index)
-            define = self._frame(self._packer.pack((_DEFINE_OP, index, name)), 0)
-            return define + self._frame(self._packer.pack((Op.code, seq, index, args, kwargs, outs)), 0)
+            index = len(self._op_index)
+            frame = self._frame(self._packer.pack((Op.code, seq, index, args, kwargs, outs)), 0)
+            self._op_index[name] = index
+            return self._frame(self._packer.pack((_DEFINE_OP, index, name)), 0) + frame
         return self._frame(self._packer.pack((Op.code, seq, index, args, kwargs, outs)), 0)
 
     @staticmethod
@@ -255,6 +259,8 @@ class Connection:
     def _to_event(self, header: list, payload: bytes, payload_len: int):
         code = header[0]
         if code == _DEFINE_OP:
+            if payload_len:
+                raise ProtocolError("op definition frames carry no payload")
             self._define_op(header)
             return _DEFINE
         cls = EVENT_TYPES.get(code)
