@@ -1,0 +1,156 @@
+"""What a user sees when things go wrong: remote op errors, unreachable or dead nodes."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+import gpuwire
+from gpuwire.client.runtime import Runtime
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_script(code: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **env}, cwd=REPO)
+
+
+def test_streamed_op_error_surfaces_at_next_sync_point(device):
+    d = torch.arange(10.0, device=device)
+    bad_index = torch.tensor([3, 100], device=device)
+    out = d.index_select(0, bad_index)  # queued: the client cannot know the index is out of range
+    with pytest.raises(gpuwire.RemoteError) as info:
+        out.cpu()
+    err = info.value
+    assert "index_select" in err.op
+    assert err.seq > 0
+    assert "out of range" in str(err) or "index" in str(err).lower()
+    assert isinstance(err, (IndexError, RuntimeError))  # mirrors the node-side exception type
+    # the session is still usable afterwards
+    assert torch.equal((d * 2).cpu(), torch.arange(10.0) * 2)
+
+
+def test_shape_errors_raise_like_local_torch(device):
+    a, b = torch.ones(2, 3, device=device), torch.ones(4, 5, device=device)
+    with pytest.raises(RuntimeError):
+        (a @ b).cpu()
+
+
+def test_sync_mode_raises_at_the_failing_line(node):
+    code = """
+        import torch, gpuwire
+        d = torch.arange(10.0, device="gpuwire")
+        idx = torch.tensor([100], device="gpuwire")
+        try:
+            d.index_select(0, idx)   # FAILING LINE
+        except gpuwire.RemoteError as e:
+            print("raised-at-line", e.op)
+    """
+    result = run_script(code, {"GPUWIRE_NODE": node.address, "GPUWIRE_SYNC": "1"})
+    assert "raised-at-line aten::index_select" in result.stdout, result.stderr
+
+
+def test_closed_port_is_a_clear_error_not_a_hang():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(gpuwire.NodeUnreachable, match="cannot connect"):
+        Runtime(f"127.0.0.1:{port}")
+    assert time.monotonic() - start < 5
+
+
+def _fake_server(behaviour):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+
+    def serve():
+        conn, _ = listener.accept()
+        behaviour(conn)
+        time.sleep(3)
+        conn.close()
+        listener.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"127.0.0.1:{listener.getsockname()[1]}"
+
+
+def test_silent_server_times_out_with_a_clear_error():
+    address = _fake_server(lambda conn: None)
+    start = time.monotonic()
+    with pytest.raises(gpuwire.NodeUnreachable, match="did not answer the gpuwire handshake"):
+        Runtime(address, connect_timeout=1.0)
+    assert time.monotonic() - start < 5
+
+
+def test_http_server_is_not_mistaken_for_a_node():
+    address = _fake_server(lambda conn: conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"))
+    with pytest.raises(gpuwire.NodeUnreachable, match="not a gpuwire node"):
+        Runtime(address, connect_timeout=5.0)
+
+
+def test_wrong_token_is_refused():
+    from tests.conftest import NodeProcess
+
+    node = NodeProcess("--token", "s3cret")
+    try:
+        with pytest.raises(gpuwire.NodeUnreachable, match="refused the session.*token"):
+            Runtime(node.address, token="wrong")
+        rt = Runtime(node.address, token="s3cret")
+        rt.close()
+    finally:
+        node.kill()
+
+
+def test_node_killed_mid_run_raises_connection_lost(fresh_node):
+    code = f"""
+        import os, signal, torch, gpuwire
+        gpuwire.attach("{fresh_node.address}")
+        d = torch.randn(64, 64, device="gpuwire")
+        print((d @ d).sum().item() is not None, flush=True)
+        os.kill({fresh_node.proc.pid}, signal.SIGKILL)
+        import time; time.sleep(0.5)
+        try:
+            for _ in range(1000):
+                d = d @ d
+            d.sum().item()
+        except gpuwire.ConnectionLost as e:
+            print("connection-lost:", e)
+    """
+    result = run_script(code, {}, timeout=60)
+    assert "connection-lost: lost the connection to gpuwire node" in result.stdout, result.stdout + result.stderr
+    assert "Segmentation" not in result.stderr
+
+
+def test_embedded_node_starts_when_nothing_is_configured():
+    code = """
+        import torch
+        x = torch.arange(6.0).reshape(2, 3)
+        y = (x.to("gpuwire") * 3).sum().item()
+        print("result", y)
+    """
+    env = {"GPUWIRE_NODE": ""}
+    result = run_script(code, env, timeout=120)
+    assert "result 45.0" in result.stdout, result.stderr
+    assert result.stderr.count("started an embedded node") == 1
+    assert "CPU backend" in result.stderr
+
+
+def test_remote_memory_is_freed_when_tensors_die(device):
+    rt = gpuwire.client.device.current_runtime()
+    gpuwire.synchronize()
+    baseline = rt.query("memory")["bytes_in_use"]
+    tensors = [torch.ones(1 << 16, device=device) for _ in range(20)]
+    gpuwire.synchronize()
+    assert rt.query("memory")["bytes_in_use"] >= 20 * (1 << 18)
+    del tensors
+    gpuwire.synchronize()
+    assert rt.query("memory")["bytes_in_use"] <= baseline
