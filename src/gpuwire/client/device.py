@@ -22,6 +22,7 @@ import functools
 import os
 import sys
 import threading
+import weakref
 
 import torch
 from torch._C import DispatchKey, DispatchKeySet
@@ -259,6 +260,8 @@ class MutatingPlan:
         if self.single:
             source = self.sources[0]
             return _get_arg(args, kwargs, *source) if source else None
+        if not self.sources:  # ``-> ()`` (e.g. _cummax_helper): the kernel must return None
+            return None
         return tuple(_get_arg(args, kwargs, *s) if s else None for s in self.sources)
 
     def _resize_outs(self, op, args, kwargs):
@@ -266,7 +269,8 @@ class MutatingPlan:
         pass anything); aten resizes it, so we do too, from the cached meta result. Skipped for
         in-place calls and for a fresh non-empty tensor from the structured-kernel path, whose
         size C++ already computed."""
-        fresh = getattr(_state, "fresh", None)
+        fresh_ref = getattr(_state, "fresh", None)
+        fresh = fresh_ref() if fresh_ref is not None else None
         for index, name, kwarg_only in self.out_args:
             out = _get_arg(args, kwargs, index, name, kwarg_only)
             if not isinstance(out, torch.Tensor) or (out is fresh and out.numel()) or any(out is a for a in args):
@@ -457,7 +461,7 @@ def _empty_memory_format(op, args, kwargs):
     rt = runtime()
     with rt.lock:
         t = new_empty(rt, sizes, strides, dtype)
-    _state.fresh = t
+    _state.fresh = weakref.ref(t)  # weak: must not keep the last allocation alive
     return t
 
 
@@ -467,7 +471,7 @@ def _empty_strided(op, args, kwargs):
     rt = runtime()
     with rt.lock:
         t = new_empty(rt, sizes, strides, dtype)
-    _state.fresh = t
+    _state.fresh = weakref.ref(t)  # weak: must not keep the last allocation alive
     return t
 
 
@@ -667,6 +671,13 @@ def register() -> None:
     _aten_library = torch.library.Library("aten", "IMPL")
     _aten_library.impl("convolution_overrideable", _convolution_overrideable, "PrivateUse1")
     _aten_library.impl("convolution_backward_overrideable", _convolution_backward_overrideable, "PrivateUse1")
+    # The Conjugate/Negative math-bit fallbacks resolve a lazy conj/neg input of _copy_from
+    # by cloning it, and clone copies through _copy_from again: infinite recursion (a segfault)
+    # for any conj/neg gpuwire tensor (e.g. every complex FFT). Let them fall through: the bits
+    # travel in the tensor descriptors and the node's copy_ resolves them.
+    for key in ("Conjugate", "Negative"):
+        _aten_library.impl("_copy_from", torch.library.fallthrough_kernel, key)
+        _aten_library.impl("_copy_from_and_resize", torch.library.fallthrough_kernel, key)
     from . import fused
     fused.register(_aten_library)
     _registered = True
