@@ -109,3 +109,31 @@ def test_item_tolist_and_scalars(device):
     assert d.tolist() == [1.5, 2.5]
     assert (d * torch.tensor(2.0)).cpu().tolist() == [3.0, 5.0]
     assert bool((d > 1).all())
+
+
+def test_generator_on_the_device(device):
+    g = torch.Generator(device="gpuwire")
+    assert g.device == torch.device("gpuwire", 0)
+    assert isinstance(g, torch.Generator) and isinstance(torch.default_generator, torch.Generator)
+    g.manual_seed(7)
+    a = torch.randn(50, device=device, generator=g).cpu()
+    g.manual_seed(7)
+    b = torch.randn(50, device=device, generator=g).cpu()
+    assert torch.equal(a, b)
+    assert torch.equal(a, torch.randn(50, generator=torch.Generator().manual_seed(7)))
+    state = g.get_state()
+    x = torch.rand(8, device=device, generator=g).cpu()
+    g.set_state(state)
+    assert torch.equal(torch.rand(8, device=device, generator=g).cpu(), x)
+    with pytest.raises(RuntimeError, match="Expected a 'gpuwire' device type for generator"):
+        torch.randn(3, device=device, generator=torch.Generator())
+
+
+def test_dropout_reproducible_with_manual_seed(device):
+    x = torch.ones(1000, device=device)
+    torch.manual_seed(5)
+    a = torch.nn.functional.dropout(x, 0.3).cpu()
+    torch.manual_seed(5)
+    b = torch.nn.functional.dropout(x, 0.3).cpu()
+    assert torch.equal(a, b)
+    assert 200 < int((a == 0).sum()) < 400

@@ -9,11 +9,14 @@ original behaviour for everything that is not the gpuwire device, and says why i
 * ``torch.UntypedStorage(n, device="gpuwire")`` (used by ``storage.to``, hence by
   ``torch.load(map_location=...)``) crashes in C++ for a Python backend with no allocator;
   it is routed to a remote allocation.
+* ``torch.Generator(device="gpuwire")`` needs a C++ hook a Python backend cannot provide; it
+  returns a generator that lives on the node (seeded, queried and passed to ops remotely).
 """
 
 from __future__ import annotations
 
 import functools
+import secrets
 import threading
 
 import torch
@@ -87,11 +90,86 @@ def _patch_untyped_storage() -> None:
     torch.UntypedStorage.__new__ = __new__
 
 
+class RemoteGenerator(torch._C.Generator):
+    """A random generator on the node. The CPU generator underneath is never used to draw
+    numbers: its seed is a tag that ``client.wire`` maps to the node-side generator."""
+
+    _next_id = 1
+
+    def __new__(cls, device=None):
+        from . import wire
+        self = super().__new__(cls)
+        self._remote_id = RemoteGenerator._next_id
+        RemoteGenerator._next_id += 1
+        tag = secrets.randbits(63) | (1 << 62)
+        torch._C.Generator.manual_seed(self, tag)
+        wire.generator_ids[tag] = self._remote_id
+        self._initial_seed = 67280421310721
+        return self
+
+    def __init__(self, device=None):
+        pass
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(DEVICE_TYPE, 0)
+
+    def _submit(self, name: str, *args) -> None:
+        from . import device as _device
+        rt = _device.runtime()
+        with rt.lock:
+            rt.submit(rt.conn.encode_op(rt.next_seq(), name, (self, *args), {}, ()))
+
+    def manual_seed(self, seed: int) -> "RemoteGenerator":
+        seed = int(seed) & ((1 << 64) - 1)
+        self._submit("gpuwire::generator_manual_seed", seed)
+        self._initial_seed = seed
+        return self
+
+    def seed(self) -> int:
+        seed = secrets.randbits(63)
+        self.manual_seed(seed)
+        return seed
+
+    def initial_seed(self) -> int:
+        return self._initial_seed
+
+    def get_state(self) -> torch.Tensor:
+        from . import device as _device
+        state = _device.runtime().call_sync("gpuwire::generator_get_state", [self], {})
+        return torch.frombuffer(bytearray(state), dtype=torch.uint8).clone()
+
+    def set_state(self, new_state: torch.Tensor) -> "RemoteGenerator":
+        self._submit("gpuwire::generator_set_state", new_state.detach().cpu().contiguous())
+        return self
+
+
+class _GeneratorMeta(type(torch._C.Generator)):
+    """``torch.Generator`` stays the type of every generator for isinstance checks; calling
+    it with the gpuwire device makes a RemoteGenerator."""
+
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, torch._C.Generator)
+
+    def __subclasscheck__(cls, sub) -> bool:
+        return issubclass(sub, torch._C.Generator)
+
+    def __call__(cls, device="cpu"):
+        if device is not None and torch.device(device).type == DEVICE_TYPE:
+            return RemoteGenerator(device)
+        return torch._C.Generator(device)
+
+
+class Generator(torch._C.Generator, metaclass=_GeneratorMeta):
+    __doc__ = torch._C.Generator.__doc__
+
+
 def install() -> None:
     global _installed
     if _installed:
         return
     _patch_untyped_storage()
+    torch.Generator = Generator
     original_flag = torch.__future__.get_swap_module_params_on_conversion
 
     def get_swap_module_params_on_conversion() -> bool:

@@ -29,7 +29,10 @@ _LAYOUT_EXT = {
     getattr(torch, name): msgpack.ExtType(codec.EXT_LAYOUT, bytes([code]))
     for code, name in enumerate(codec.LAYOUT_NAMES) if hasattr(torch, name)
 }
-_GENERATOR_EXT = msgpack.ExtType(codec.EXT_GENERATOR, b"")
+# gpuwire generators are CPU generator objects whose (never used) seed is a tag naming the
+# generator on the node: the dispatcher hands the fallback a fresh Python wrapper, so the tag
+# is the only thing that survives. tag -> remote generator id
+generator_ids: dict[int, int] = {}
 _pack = msgpack.Packer(use_bin_type=True, autoreset=True).pack
 MAX_INLINE_BYTES = 1 << 20
 DEVICE_TYPE = "gpuwire"
@@ -85,8 +88,12 @@ def encode_default(obj):
         return _LAYOUT_EXT[obj]
     if isinstance(obj, complex):
         return codec.pack_complex(obj)
-    if isinstance(obj, torch.Generator):
-        return _GENERATOR_EXT
+    if isinstance(obj, torch._C.Generator):
+        remote_id = generator_ids.get(torch._C.Generator.initial_seed(obj))
+        if remote_id is None:
+            raise RuntimeError(f"Expected a '{DEVICE_TYPE}' device type for generator but found "
+                               f"'{obj.device.type}'; create it with torch.Generator(device='{DEVICE_TYPE}')")
+        return msgpack.ExtType(codec.EXT_GENERATOR, _pack(remote_id))
     if isinstance(obj, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         raise UnsupportedArgument("symbolic sizes cannot be sent to a gpuwire node")
     raise UnsupportedArgument(f"cannot send a value of type {type(obj).__name__} to a gpuwire node")

@@ -81,7 +81,22 @@ def backward_by_recompute(name: str, rng_state: torch.Tensor, grad_outputs: list
                  for leaf in leaves)
 
 
+def generator_manual_seed(generator: torch.Generator, seed: int) -> None:
+    generator.manual_seed(seed)
+
+
+def generator_get_state(generator: torch.Generator) -> bytes:
+    return bytes(generator.get_state().numpy().tobytes())
+
+
+def generator_set_state(generator: torch.Generator, state: torch.Tensor) -> None:
+    generator.set_state(state.cpu().contiguous())
+
+
 COMPOSITE_OPS = {
+    "gpuwire::generator_manual_seed": generator_manual_seed,
+    "gpuwire::generator_get_state": generator_get_state,
+    "gpuwire::generator_set_state": generator_set_state,
     "gpuwire::forward_with_rng": forward_with_rng,
     "gpuwire::backward_by_recompute": backward_by_recompute,
 }

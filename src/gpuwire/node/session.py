@@ -94,6 +94,7 @@ class Session:
         self.rng_state: torch.Tensor | None = None
         self.pending_error: Error | None = None
         self.decode_error: Exception | None = None
+        self.generators: dict[int, torch.Generator] = {}
         self.last_seq = 0
         self.ops_run = 0
         self._next_node_id = NODE_ID_BASE
@@ -136,7 +137,9 @@ class Session:
         if code == codec.EXT_COMPLEX:
             return codec.unpack_complex(data)
         if code == codec.EXT_GENERATOR:
-            return None  # the session's generator is the device default while it runs
+            if not data:
+                return None  # the session's generator is the device default while it runs
+            return self.generator(codec.unpack_small(data, "generator id"))
         if code == codec.EXT_INLINE_TENSOR:
             dtype, sizes, payload = codec.unpack_inline_tensor_fields(data)
             if len(payload) > MAX_INLINE_BYTES:
@@ -145,6 +148,19 @@ class Session:
                 torch.empty(0, dtype=self._dtype(dtype))
             return flat.reshape(sizes)
         raise codec.DecodeError(f"unknown extension type {code}")
+
+    def generator(self, generator_id) -> torch.Generator:
+        """The session's explicit generator ``generator_id`` (``torch.Generator(device=…)`` on
+        the client), created on first use with torch's default seed."""
+        if type(generator_id) is not int or not 0 <= generator_id < (1 << 32):
+            raise codec.DecodeError("malformed generator id")
+        gen = self.generators.get(generator_id)
+        if gen is None:
+            if len(self.generators) >= 4096:
+                raise SessionError("too many generators in one session")
+            gen = self.generators[generator_id] = torch.Generator(device=self.device)
+            gen.manual_seed(67280421310721)
+        return gen
 
     def _dtype(self, code: int) -> torch.dtype:
         dt = TORCH_DTYPES[code] if 0 <= code < len(TORCH_DTYPES) else None
@@ -382,7 +398,7 @@ class Session:
             return [self._encode_result(v) for v in value]
         if isinstance(value, torch.dtype):
             return str(value)
-        if isinstance(value, (int, float, bool, complex, str)) or value is None:
+        if isinstance(value, (int, float, bool, complex, str, bytes)) or value is None:
             return value
         if isinstance(value, torch.Size):
             return list(value)
