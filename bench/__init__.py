@@ -1,0 +1,1 @@
+"""gpuwire benchmark suite: ``python -m bench --help``; method in docs/performance.md."""

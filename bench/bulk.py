@@ -1,0 +1,126 @@
+"""Bulk throughput host→device and device→host, next to raw TCP on the same loopback.
+
+gpuwire: h2d = ``y = x.to("gpuwire"); gpuwire.synchronize()`` (the bytes are on the node and
+stored when it returns); d2h = ``y.cpu()`` (one round trip, bytes in a host tensor). Raw TCP:
+a sender thread ``sendall``s the same number of bytes from a host buffer over a persistent
+loopback connection to a receiver thread that ``recv_into``s a preallocated buffer; timed
+from the send until the receiver holds the last byte. The two alternate per repetition;
+medians are reported in GiB/s, ratio = gpuwire / raw TCP (1.0 = as fast as the socket).
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import time
+
+import torch
+
+from .common import median
+
+NAME = "bulk"
+DESCRIPTION = "bulk transfer GiB/s host->device and device->host vs raw TCP on loopback"
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+class RawTcp:
+    """A persistent loopback connection with a sender and a receiver thread."""
+
+    def __init__(self):
+        server = socket.create_server(("127.0.0.1", 0))
+        self.tx = socket.create_connection(server.getsockname())
+        self.rx, _ = server.accept()
+        server.close()
+        for s in (self.tx, self.rx):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._send_jobs: queue.Queue = queue.Queue()
+        self._recv_jobs: queue.Queue = queue.Queue()
+        self._done: queue.Queue = queue.Queue()
+        self._threads = [threading.Thread(target=self._sender, daemon=True),
+                         threading.Thread(target=self._receiver, daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def _sender(self):
+        while (job := self._send_jobs.get()) is not None:
+            self.tx.sendall(job)
+
+    def _receiver(self):
+        while (buf := self._recv_jobs.get()) is not None:
+            n, got = len(buf), 0
+            try:
+                while got < n:
+                    k = self.rx.recv_into(buf[got:], n - got)
+                    if not k:
+                        raise ConnectionError("raw TCP peer closed")
+                    got += k
+                self._done.put(time.perf_counter())
+            except Exception as exc:  # noqa: BLE001
+                self._done.put(exc)
+
+    def transfer(self, src: memoryview, dst: memoryview) -> float:
+        self._recv_jobs.put(dst)
+        t0 = time.perf_counter()
+        self._send_jobs.put(src)
+        end = self._done.get(timeout=300)
+        if isinstance(end, BaseException):
+            raise end
+        return end - t0
+
+    def close(self):
+        self._send_jobs.put(None)
+        self._recv_jobs.put(None)
+        for s in (self.tx, self.rx):
+            s.close()
+
+
+def run(ctx, result) -> None:
+    import gpuwire
+
+    sizes = [1, 64] if ctx.quick else [1, 64, 512]
+    reps = {1: 20, 64: 5, 512: 3} if not ctx.quick else {1: 10, 64: 3}
+    result.config.update({"sizes_mib": sizes, "repetitions": reps})
+    ctx.attach()
+    dev = torch.device("gpuwire")
+    raw = RawTcp()
+    try:
+        for mib in sizes:
+            label = f"{mib} MiB"
+            try:
+                nbytes = mib * MiB
+                x = torch.ones(nbytes, dtype=torch.uint8)
+                src = memoryview(x.numpy())
+                sink = bytearray(nbytes)
+                dst = memoryview(sink)
+                raw.transfer(src, dst)  # warm-up of both paths
+                y = x.to(dev)
+                gpuwire.synchronize()
+                y.cpu()
+                h2d, d2h, tcp = [], [], []
+                for _ in range(reps[mib]):
+                    tcp.append(raw.transfer(src, dst))
+                    del y
+                    t0 = time.perf_counter()
+                    y = x.to(dev)
+                    gpuwire.synchronize()
+                    h2d.append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    back = y.cpu()
+                    d2h.append(time.perf_counter() - t0)
+                    del back
+                if not torch.equal(y.cpu()[:4096], x[:4096]):
+                    raise AssertionError("bytes read back differ from those written")
+                del y
+                raw_gibs = nbytes / GiB / median(tcp)
+                result.add(f"host->device {label}", nbytes / GiB / median(h2d), "GiB/s", raw_gibs,
+                           baseline_label="raw TCP GiB/s")
+                result.add(f"device->host {label}", nbytes / GiB / median(d2h), "GiB/s", raw_gibs,
+                           baseline_label="raw TCP GiB/s")
+                del x, src, dst, sink
+            except Exception as exc:  # noqa: BLE001
+                result.fail(label, exc)
+    finally:
+        raw.close()
