@@ -12,9 +12,15 @@ __all__ = ["__version__", "attach", "detach", "synchronize", "ConnectionLost", "
            "RemoteError", "device", "stats"]
 
 
-def attach(node: str | None = None, *, token: str | None = None):
+def attach(node: str | None = None, *, token: str | None = None, cuda_compat: bool = False):
+    """Use the node at ``node`` (``HOST:PORT``; default ``GPUWIRE_NODE``, else an embedded CPU
+    node). With ``cuda_compat=True``, code written for ``"cuda"`` runs on it unchanged."""
     from .client.device import attach as _attach
-    return _attach(node, token=token)
+    runtime = _attach(node, token=token)
+    if cuda_compat:
+        from .client import cuda_compat as _compat
+        _compat.enable()
+    return runtime
 
 
 def detach() -> None:
@@ -42,14 +48,19 @@ def stats() -> dict:
 
 def _register_now() -> None:
     try:
+        from .client import autocast, cuda_compat
         from .client.device import register
         from .client.shims import install
     except ImportError:
         # gpuwire is being imported from inside torch's own import (backend autoload) while
         # this module is itself half-imported; the outer import registers at its end
         return
+    import os
     register()
     install()
+    autocast.register()
+    if os.environ.get("GPUWIRE_CUDA_COMPAT", "0") not in ("", "0"):
+        cuda_compat.enable()
 
 
 _register_now()

@@ -34,6 +34,8 @@ from .wire import CODE_DTYPE, DTYPE_CODE
 DEVICE_TYPE = wire.DEVICE_TYPE
 DEVICE: torch.device | None = None  # torch.device("gpuwire", 0), once registered
 CPU_KEYSET = DispatchKeySet(DispatchKey.CPU)
+# under CUDA compatibility ``Tensor.device`` reports "cuda": test devices with these instead
+on_device = wire.on_device
 aten = torch.ops.aten
 
 _state = threading.local()
@@ -69,8 +71,15 @@ def _connect_default() -> Runtime:
 
 
 def _set_runtime(rt: Runtime) -> None:
-    global _runtime
+    global _runtime, _infer_as_cpu
     _runtime = rt
+    as_cpu = rt.device_info.get("backend") == "cpu"
+    if as_cpu != _infer_as_cpu:  # cached output metadata was inferred for the other device type
+        _infer_as_cpu = as_cpu
+        _PLANS.clear()
+        for plan in (_conv_plan, _conv_backward_plan):
+            if plan is not None:
+                plan.cache.clear()
     rt.seed(_pending_seed if _pending_seed is not None else torch.initial_seed())
 
 
@@ -172,7 +181,7 @@ def _traced_fallback(op, *args, **kwargs):
 
 def _shape(value):
     if isinstance(value, torch.Tensor):
-        return f"{value.device.type}{list(value.shape)}"
+        return f"{'gpuwire' if on_device(value) else 'cpu'}{list(value.shape)}"
     if isinstance(value, (list, tuple)):
         return [_shape(v) for v in value]
     return value
@@ -240,6 +249,76 @@ def _alias_sources(op) -> list:
     return sources
 
 
+def _number_slots(op) -> tuple:
+    """The Tensor arguments of ``op`` that can arrive here as Python numbers. A scalar passed
+    for a Tensor argument (``torch.copysign(x, 2.0)``, or a composite kernel's
+    ``at::remainder(t, 3)``) is a 0-dim "wrapped number" tensor, which the dispatcher hands to a
+    Python kernel as a plain number; but calling the op again with a number, as the meta kernel
+    and the node do, fails ("Expected a value of type 'Tensor'") except for the few ops
+    (add, mul, ...) that accept numbers as tensors."""
+    if torch._C._should_allow_numbers_as_tensors(op._schema.name.split("::")[-1]):
+        return ()
+    return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(op._schema.arguments)
+                 if isinstance(a.type, torch.TensorType) or (isinstance(a.type, torch.OptionalType)
+                                                             and isinstance(a.type.getElementType(), torch.TensorType)))
+
+
+_NUMBER_TYPES = frozenset((float, int, bool, complex))
+_NUMBER_CATEGORY = {bool: 0, int: 1, float: 2, complex: 3}
+
+
+def _numbers_as_tensors(slots, args, kwargs):
+    """``args, kwargs`` with each number in a Tensor slot replaced by a 0-dim CPU tensor (sent
+    inline); unchanged, and no copy made, when there is none (the common case)."""
+    for index, name, kwarg_only in slots:
+        value = args[index] if not kwarg_only and index < len(args) else kwargs.get(name)
+        if type(value) in _NUMBER_TYPES:
+            break
+    else:
+        return args, kwargs
+    args, kwargs = list(args), dict(kwargs)
+    tensors = [v for v in (args[i] if not k and i < len(args) else kwargs.get(n) for i, n, k in slots)
+               if isinstance(v, torch.Tensor)]
+    for index, name, kwarg_only in slots:
+        positional = not kwarg_only and index < len(args)
+        value = args[index] if positional else kwargs.get(name)
+        if type(value) in _NUMBER_TYPES:
+            value = _wrapped_number_tensor(value, tensors)
+            if positional:
+                args[index] = value
+            else:
+                kwargs[name] = value
+    return tuple(args), kwargs
+
+
+def _wrapped_number_tensor(value, tensors) -> torch.Tensor:
+    """A 0-dim tensor that promotes like the wrapped number ``value`` would. A wrapped number
+    ranks below 0-dim tensors in type promotion; giving it the promoted dtype of the op's other
+    tensors (when its kind, bool < int < float < complex, does not exceed theirs) leaves the
+    result dtype unchanged, as the wrapped number would; otherwise the default dtype of its kind."""
+    dtype = None
+    for t in tensors:
+        dtype = t.dtype if dtype is None else torch.promote_types(dtype, t.dtype)
+    category = _NUMBER_CATEGORY[type(value)]
+    if dtype is not None:
+        have = 3 if dtype.is_complex else 2 if dtype.is_floating_point else 0 if dtype is torch.bool else 1
+        if category <= have:
+            try:
+                return torch.tensor(value, dtype=dtype)
+            except (RuntimeError, OverflowError):  # does not fit (300 for uint8): promote as its kind
+                pass
+        elif category == 3 and have == 2:
+            return torch.tensor(value, dtype=_COMPLEX_OF.get(dtype, torch.complex64))
+    if category == 2:
+        return torch.tensor(value, dtype=torch.get_default_dtype())
+    if category == 3:
+        return torch.tensor(value, dtype=_COMPLEX_OF.get(torch.get_default_dtype(), torch.complex64))
+    return torch.tensor(value, dtype=torch.int64 if category == 1 else torch.bool)
+
+
+_COMPLEX_OF = {torch.float16: torch.complex32, torch.float32: torch.complex64, torch.float64: torch.complex128}
+
+
 class MutatingPlan:
     """In-place and out= ops: queue the op; the results are the mutated arguments."""
 
@@ -250,11 +329,14 @@ class MutatingPlan:
         self.out_args = [(i, a.name, a.kwarg_only) for i, a in enumerate(op._schema.arguments)
                          if a.is_out and _is_tensor_type(a.type)]
         self.checker = FunctionalPlan(op) if self.out_args else None
+        self.numbers = _number_slots(op)
 
     def __call__(self, op, args, kwargs):
         rt = runtime()
-        if self.out_args:
-            self._resize_outs(op, args, kwargs)
+        if self.numbers:
+            args, kwargs = _numbers_as_tensors(self.numbers, args, kwargs)
+        if self.out_args and not self._resize_outs(op, args, kwargs):
+            return self._call_sync_outs(op, args, kwargs)
         with rt.lock:
             rt.submit(rt.conn.encode_op(rt.next_seq(), self.name, args, kwargs, ()))
         if self.single:
@@ -268,7 +350,8 @@ class MutatingPlan:
         """An out= tensor may have the wrong size (composite kernels pass ``empty(0)``, users
         pass anything); aten resizes it, so we do too, from the cached meta result. Skipped for
         in-place calls and for a fresh non-empty tensor from the structured-kernel path, whose
-        size C++ already computed."""
+        size C++ already computed. False when the sizes cannot be inferred (no meta kernel,
+        data-dependent sizes): the op must then run as a sync op."""
         fresh_ref = getattr(_state, "fresh", None)
         fresh = fresh_ref() if fresh_ref is not None else None
         for index, name, kwarg_only in self.out_args:
@@ -277,11 +360,27 @@ class MutatingPlan:
                 continue
             entry = self.checker.outputs(op, args, kwargs)
             if entry is SYNC or entry is None:
-                return
+                return False
             expected = entry.out_shapes
             position = [i for i, *_ in self.out_args].index(index)
             if position < len(expected) and tuple(out.shape) != expected[position]:
                 out.resize_(expected[position])
+        return True
+
+    def _call_sync_outs(self, op, args, kwargs):
+        """Run an out= op whose out sizes are unknown here with a reply. Where the node's kernel
+        resized an out tensor, that resized buffer is not the storage the client knows: resize
+        the client's out tensor and copy the reported result into it."""
+        result = _call_sync(op, self.name, args, kwargs)
+        values = result if isinstance(result, (tuple, list)) else (result,)
+        outs = tuple(_get_arg(args, kwargs, *s) if s else None for s in self.sources)
+        for out, value in zip(outs, values):
+            if isinstance(out, torch.Tensor) and isinstance(value, torch.Tensor) and out.shape != value.shape:
+                out.resize_(value.shape)
+                out.copy_(value)
+        if self.single:
+            return outs[0]
+        return outs if outs else None
 
 
 class _MetaEntry:
@@ -304,6 +403,7 @@ class FunctionalPlan:
         self.meta_op = op
         self.cache: dict = {}
         self.sources = _alias_sources(op)
+        self.numbers = _number_slots(op)
 
     def outputs(self, op, args, kwargs):
         try:
@@ -318,6 +418,8 @@ class FunctionalPlan:
         return entry
 
     def _compute(self, args, kwargs):
+        if _infer_as_cpu:
+            return self._compute_as_cpu(args, kwargs)
         meta_args, meta_kwargs = _to_meta(args), {k: _to_meta(v) for k, v in kwargs.items()}
         try:
             result = self.meta_op(*meta_args, **meta_kwargs)
@@ -325,6 +427,26 @@ class FunctionalPlan:
             return SYNC
         except Exception:  # noqa: BLE001 - let the node raise the real error (same message as local)
             return None
+        return self._entry(result)
+
+    def _compute_as_cpu(self, args, kwargs):
+        """Shape inference for a CPU node: meta kernels branch on the device type (eval-mode
+        batch norm returns empty save_mean/invstd on CPU, embedding_bag's auxiliary outputs
+        differ ...), so run them on fake CPU tensors, not on meta ones (which model CUDA)."""
+        from torch._subclasses import fake_tensor as ft
+        mode = _fake_cpu_mode()
+        fake_args, fake_kwargs = _to_fake_cpu(args, mode), {k: _to_fake_cpu(v, mode) for k, v in kwargs.items()}
+        try:
+            with mode:
+                result = self.meta_op(*fake_args, **fake_kwargs)
+        except (ft.DynamicOutputShapeException, ft.DataDependentOutputException, ft.UnsupportedOperatorException,
+                NotImplementedError):
+            return SYNC
+        except Exception:  # noqa: BLE001 - let the node raise the real error (same message as local)
+            return None
+        return self._entry(result)
+
+    def _entry(self, result):
         specs = []
         template = _template(result, specs, self.sources)
         out_shapes = [tuple(r.shape) if isinstance(r, torch.Tensor) else None
@@ -332,6 +454,8 @@ class FunctionalPlan:
         return _MetaEntry(specs, template, out_shapes)
 
     def __call__(self, op, args, kwargs):
+        if self.numbers:
+            args, kwargs = _numbers_as_tensors(self.numbers, args, kwargs)
         entry = self.outputs(op, args, kwargs)
         if entry is SYNC or entry is None:
             return _call_sync(op, self.name, args, kwargs)
@@ -366,7 +490,7 @@ def _signature(values):
     out = []
     for v in values:
         if isinstance(v, torch.Tensor):
-            out.append((v.dtype, v.shape, v.stride(), v.device.type, v.is_conj() or v.is_neg()))
+            out.append((v.dtype, v.shape, v.stride(), v.is_cpu, v.is_conj() or v.is_neg()))
         elif isinstance(v, (list, tuple)):
             out.append(_signature(v))
         else:
@@ -376,13 +500,46 @@ def _signature(values):
 
 def _to_meta(value):
     if isinstance(value, torch.Tensor):
-        if value.device.type == DEVICE_TYPE:
+        if on_device(value):
             return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
         return value
     if isinstance(value, (list, tuple)):
         return type(value)(_to_meta(v) for v in value) if not isinstance(value, torch.Size) else value
     if isinstance(value, torch.device):
         return torch.device("meta")
+    if isinstance(value, torch.Generator):
+        return None
+    return value
+
+
+_infer_as_cpu = False  # the node runs CPU kernels: infer output metadata on fake CPU tensors
+_fake_mode = None
+
+
+def _fake_cpu_mode():
+    global _fake_mode
+    if _fake_mode is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        # no fallback kernels: an op without a meta kernel becomes a sync op, it never runs
+        # a real kernel on the client
+        _fake_mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
+    return _fake_mode
+
+
+_CPU = torch.device("cpu")
+
+
+def _to_fake_cpu(value, mode):
+    if isinstance(value, torch.Tensor):
+        if on_device(value):
+            from torch._subclasses.fake_tensor import FakeTensor
+            meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+            return FakeTensor(mode, meta, _CPU)
+        return value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_fake_cpu(v, mode) for v in value) if not isinstance(value, torch.Size) else value
+    if isinstance(value, torch.device):
+        return _CPU if value.type == DEVICE_TYPE else value
     if isinstance(value, torch.Generator):
         return None
     return value
@@ -421,8 +578,11 @@ class SyncPlan:
 
     def __init__(self, op):
         self.name = _op_name(op)
+        self.numbers = _number_slots(op)
 
     def __call__(self, op, args, kwargs):
+        if self.numbers:
+            args, kwargs = _numbers_as_tensors(self.numbers, args, kwargs)
         return _call_sync(op, self.name, args, kwargs)
 
 
@@ -515,8 +675,8 @@ def download(src: torch.Tensor) -> torch.Tensor:
 
 def _copy_from(op, args, kwargs):
     src, dst = args[0], args[1]
-    src_remote = src.device.type == DEVICE_TYPE
-    dst_remote = dst.device.type == DEVICE_TYPE
+    src_remote = on_device(src)
+    dst_remote = on_device(dst)
     if src_remote and dst_remote:
         rt = runtime()
         with rt.lock:
@@ -641,6 +801,21 @@ def _convolution_backward_overrideable(*args):
     return _conv_backward_plan(None, args, {})
 
 
+_to_copy_composite = None  # aten's own _to_copy kernel for our key, which ours wraps
+
+
+def _to_copy(keyset, *args, **kwargs):
+    """``_to_copy`` of a gpuwire tensor. A device→host copy with ``non_blocking=True`` (or
+    ``pin_memory=True``) makes aten allocate pinned CPU memory through the PrivateUse1 hooks,
+    which a Python backend cannot implement ("getPinnedMemoryAllocator"). A download is
+    synchronous here anyway: run it as a blocking copy into ordinary memory."""
+    if kwargs.get("non_blocking") or kwargs.get("pin_memory"):
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cpu":
+            kwargs = dict(kwargs, non_blocking=False, pin_memory=None)
+    return _to_copy_composite.call_boxed(keyset, *args, **kwargs)
+
+
 # ---------------------------------------------------------------- registration
 
 
@@ -678,6 +853,10 @@ def register() -> None:
     for key in ("Conjugate", "Negative"):
         _aten_library.impl("_copy_from", torch.library.fallthrough_kernel, key)
         _aten_library.impl("_copy_from_and_resize", torch.library.fallthrough_kernel, key)
+    global _to_copy_composite
+    _to_copy_composite = torch._C._dispatch_get_computed_kernel_for_dispatch_key("aten::_to_copy",
+                                                                                DispatchKey.PrivateUse1)
+    _aten_library.impl("_to_copy", _to_copy, "PrivateUse1", with_keyset=True)
     from . import fused
     fused.register(_aten_library)
     _registered = True

@@ -9,6 +9,10 @@ original behaviour for everything that is not the gpuwire device, and says why i
 * ``torch.UntypedStorage(n, device="gpuwire")`` (used by ``storage.to``, hence by
   ``torch.load(map_location=...)``) crashes in C++ for a Python backend with no allocator;
   it is routed to a remote allocation.
+* ``Tensor.pin_memory()`` (used by ``DataLoader(pin_memory=True)``, since torch's current
+  accelerator is now gpuwire) needs a pinned allocator hook a Python backend cannot provide.
+  Page-locked host memory buys nothing when bytes go through a socket, so it returns the
+  tensor itself.
 * ``torch.Generator(device="gpuwire")`` needs a C++ hook a Python backend cannot provide; it
   returns a generator that lives on the node (seeded, queried and passed to ops remotely).
 """
@@ -21,19 +25,25 @@ import threading
 
 import torch
 
-from .wire import DEVICE_TYPE
+from .wire import DEVICE_TYPE, on_device
 
 _local = threading.local()
 _installed = False
 
 
+
+
 def _crosses_gpuwire(module: torch.nn.Module, target: torch.device | None) -> bool:
+    if target is not None and target.type == "cuda":
+        from . import cuda_compat
+        if cuda_compat.enabled():
+            target = torch.device(DEVICE_TYPE)
     if target is not None and target.type == DEVICE_TYPE:
         return True
     for tensor in module.parameters():
-        return tensor.device.type == DEVICE_TYPE and (target is None or target.type != DEVICE_TYPE)
+        return on_device(tensor) and (target is None or target.type != DEVICE_TYPE)
     for tensor in module.buffers():
-        return tensor.device.type == DEVICE_TYPE and (target is None or target.type != DEVICE_TYPE)
+        return on_device(tensor) and (target is None or target.type != DEVICE_TYPE)
     return False
 
 
@@ -170,6 +180,15 @@ def install() -> None:
         return
     _patch_untyped_storage()
     torch.Generator = Generator
+    original_pin_memory = torch.Tensor.pin_memory
+
+    @functools.wraps(original_pin_memory)
+    def pin_memory(self, device=None):
+        if device is None or torch.device(device).type in (DEVICE_TYPE, "cuda"):
+            return self
+        return original_pin_memory(self, device)
+
+    torch.Tensor.pin_memory = pin_memory
     original_flag = torch.__future__.get_swap_module_params_on_conversion
 
     def get_swap_module_params_on_conversion() -> bool:

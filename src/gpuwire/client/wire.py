@@ -35,6 +35,14 @@ _LAYOUT_EXT = {
 generator_ids: dict[int, int] = {}
 _pack = msgpack.Packer(use_bin_type=True, autoreset=True).pack
 MAX_INLINE_BYTES = 1 << 20
+_PRIVATE_USE1 = torch._C.DispatchKey.PrivateUse1
+_dispatch_keys = torch._C._dispatch_keys
+
+
+def on_device(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a gpuwire tensor, read from its dispatch keys: unlike ``t.device``,
+    no TorchFunctionMode or CUDA-compatibility property can disguise them."""
+    return _dispatch_keys(t).has(_PRIVATE_USE1)
 DEVICE_TYPE = "gpuwire"
 
 
@@ -72,10 +80,10 @@ def inline_ext(t: torch.Tensor) -> msgpack.ExtType:
 def encode_default(obj):
     """msgpack ``default`` hook for the client."""
     if isinstance(obj, torch.Tensor):
-        if obj.device.type == DEVICE_TYPE:
-            return tensor_ext(obj)
-        if obj.device.type == "cpu":
+        if obj.is_cpu:
             return inline_ext(obj)
+        if on_device(obj):
+            return tensor_ext(obj)
         raise UnsupportedArgument(f"a tensor on device {obj.device} cannot be used in an op on the gpuwire device")
     ext = _DTYPE_EXT.get(obj) if isinstance(obj, torch.dtype) else None
     if ext is not None:

@@ -1,0 +1,134 @@
+"""Autocast for the gpuwire device, following CUDA's op lists.
+
+Sits at the ``AutocastPrivateUse1`` dispatch key (``client.device`` registers a fallthrough
+for every other op). A program that runs ``torch.autocast("cuda")`` on a real GPU gets the
+same casts here: the lists below are CUDA's (aten/src/ATen/autocast_mode.cpp), so the node
+runs each op in the dtype a CUDA run would use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .wire import DEVICE_TYPE, on_device
+
+_EXCLUDE = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastPrivateUse1)
+
+LOWER_PRECISION = (
+    "_convolution.deprecated", "_convolution", "conv1d", "conv2d", "conv3d", "conv1d.padding", "conv2d.padding",
+    "conv3d.padding", "conv_tbc", "conv_transpose1d", "conv_transpose2d.input", "conv_transpose3d.input",
+    "convolution", "prelu", "addmm", "addmv", "addr", "matmul", "einsum", "mm", "mv", "linalg_vecdot", "linear",
+    "addbmm", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot", "_thnn_fused_lstm_cell",
+    "_thnn_fused_gru_cell", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+    "_scaled_dot_product_flash_attention", "scaled_dot_product_attention",
+)
+FP32 = (
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
+    "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus", "layer_norm",
+    "native_layer_norm", "group_norm", "frobenius_norm.dim", "nuclear_norm", "nuclear_norm.dim",
+    "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
+    "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss",
+    "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
+    "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
+)
+FP32_SET_OPT_DTYPE = (
+    "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum", "linalg_vector_norm",
+    "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "sum", "sum.dim_IntList",
+)
+PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid_sampler", "index_put", "tensordot",
+           "scatter_add")
+
+_library = None
+
+
+def _eligible(value) -> bool:
+    return (isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype is not torch.float64
+            and on_device(value))
+
+
+def _cast(value, dtype):
+    if _eligible(value):
+        return value.to(dtype) if value.dtype is not dtype else value
+    if isinstance(value, (list, tuple)) and value and any(_eligible(v) for v in value):
+        return type(value)(_cast(v, dtype) for v in value)
+    return value
+
+
+def _widest(values) -> torch.dtype | None:
+    widest = None
+    for v in values:
+        items = v if isinstance(v, (list, tuple)) else (v,)
+        for item in items:
+            if _eligible(item):
+                widest = item.dtype if widest is None else torch.promote_types(widest, item.dtype)
+    return widest
+
+
+def _op(name: str):
+    packet, _, overload = name.partition(".")
+    return getattr(getattr(torch.ops.aten, packet), overload or "default")
+
+
+def _kernel(op, policy: str):
+    def lower(*args, **kwargs):
+        dtype = torch.get_autocast_dtype(DEVICE_TYPE)
+        args = tuple(_cast(a, dtype) for a in args)
+        kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
+        with torch._C._ExcludeDispatchKeyGuard(_EXCLUDE):
+            return op(*args, **kwargs)
+
+    def fp32(*args, **kwargs):
+        args = tuple(_cast(a, torch.float32) for a in args)
+        kwargs = {k: _cast(v, torch.float32) for k, v in kwargs.items()}
+        with torch._C._ExcludeDispatchKeyGuard(_EXCLUDE):
+            return op(*args, **kwargs)
+
+    names = [a.name for a in op._schema.arguments]
+    dtype_index = names.index("dtype") if "dtype" in names else None
+
+    def fp32_set_opt_dtype(*args, **kwargs):
+        if any(_eligible(a) for a in args):
+            if dtype_index is not None and dtype_index < len(args):
+                if args[dtype_index] is None:
+                    args = (*args[:dtype_index], torch.float32, *args[dtype_index + 1:])
+            elif kwargs.get("dtype") is None:
+                kwargs = {**kwargs, "dtype": torch.float32}
+        with torch._C._ExcludeDispatchKeyGuard(_EXCLUDE):
+            return op(*args, **kwargs)
+
+    def promote(*args, **kwargs):
+        widest = _widest(list(args) + list(kwargs.values()))
+        if widest is not None:
+            args = tuple(_cast(a, widest) for a in args)
+            kwargs = {k: _cast(v, widest) for k, v in kwargs.items()}
+        with torch._C._ExcludeDispatchKeyGuard(_EXCLUDE):
+            return op(*args, **kwargs)
+
+    return {"lower": lower, "fp32": fp32, "fp32_set_opt_dtype": fp32_set_opt_dtype, "promote": promote}[policy]
+
+
+def _banned_binary_cross_entropy(*args, **kwargs):
+    raise RuntimeError(
+        "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
+        "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
+        "In this case, combine the two layers using torch.nn.functional.binary_cross_entropy_with_logits\n"
+        "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
+        "safe to autocast.")
+
+
+def register() -> None:
+    """Install the kernels once (the device itself registers a fallthrough for other ops)."""
+    global _library
+    if _library is not None:
+        return
+    library = torch.library.Library("aten", "IMPL")
+    for policy, names in (("lower", LOWER_PRECISION), ("fp32", FP32), ("fp32_set_opt_dtype", FP32_SET_OPT_DTYPE),
+                          ("promote", PROMOTE)):
+        for name in names:
+            try:
+                op = _op(name)
+            except AttributeError:
+                continue  # not in this torch version
+            library.impl(name, _kernel(op, policy), "AutocastPrivateUse1")
+    library.impl("binary_cross_entropy", _banned_binary_cross_entropy, "AutocastPrivateUse1")
+    _library = library

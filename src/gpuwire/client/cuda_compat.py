@@ -1,0 +1,374 @@
+"""CUDA compatibility: a program written for ``"cuda"`` runs on the gpuwire device unchanged.
+
+Sits on top of ``client.device``; opt-in (``gpuwire.attach(cuda_compat=True)``, on by default
+under ``gpuwire run``). What it changes, and why each is needed:
+
+* a TorchFunctionMode rewrites ``device="cuda"``/``"cuda:N"``/``torch.device("cuda")`` in every
+  torch call, ``.to("cuda")`` and ``.cuda()`` to the gpuwire device (``Module.cuda()`` goes
+  through ``Tensor.cuda`` too);
+* ``Tensor.device`` reports ``cuda:N`` and ``Tensor.is_cuda`` is True for gpuwire tensors, so
+  ``x.device.type == "cuda"`` checks in user and library code take the GPU path (a device
+  object read back from a tensor flows into later calls, where the mode maps it again);
+  gpuwire's own code tests devices with ``wire.on_device`` (dispatch keys), which no
+  property or mode can disguise;
+* ``torch.cuda.*`` (availability, counts, names, properties, memory, RNG, streams, events,
+  synchronize) describes the remote GPU — or the CPU backend, whose name says so;
+* ``torch.autocast("cuda")`` / ``torch.amp.GradScaler("cuda")`` map to the gpuwire device, where
+  autocast kernels follow CUDA's op lists (``client.autocast``);
+* ``torch.load(map_location="cuda")`` and checkpoints saved on a CUDA machine load onto gpuwire.
+
+The mode is per thread (PyTorch keeps the mode stack thread-local): calls from threads the
+program starts later are not rewritten. Things that cannot work say so: CUDA graphs, NCCL,
+custom CUDA kernels (see ``docs/compatibility.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+import types
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from . import device as _device
+from .wire import DEVICE_TYPE, on_device
+
+_base_device = torch._C.TensorBase.device.__get__
+_base_is_cuda = torch._C.TensorBase.is_cuda.__get__
+_enabled = False
+GPUWIRE: torch.device | None = None  # torch.device("gpuwire", 0) once the device is registered
+
+
+class NotSupportedByGpuwire(RuntimeError):
+    """A CUDA feature that cannot work over the network (or not yet)."""
+
+
+def _map_device(value):
+    """'cuda', 'cuda:0', torch.device('cuda', 0), 0 (as a CUDA index) -> gpuwire device."""
+    if isinstance(value, torch.device):
+        return torch.device(DEVICE_TYPE, value.index or 0) if value.type == "cuda" else value
+    if isinstance(value, str):
+        if value == "cuda" or value.startswith("cuda:"):
+            index = value[5:]
+            return torch.device(DEVICE_TYPE, int(index) if index else 0)
+    return value
+
+
+_TO_METHODS = {torch.Tensor.to}
+_CUDA_METHODS = {torch.Tensor.cuda}
+
+
+class CudaToGpuwire(TorchFunctionMode):
+    """Rewrites CUDA device arguments to the gpuwire device; everything else passes through."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs:
+            device = kwargs.get("device")
+            if device is not None:
+                kwargs = dict(kwargs)
+                kwargs["device"] = _map_device(device)
+        else:
+            kwargs = {}
+        if func in _TO_METHODS and len(args) > 1:
+            args = (args[0], _map_device(args[1]), *args[2:])
+        elif func in _CUDA_METHODS:
+            return args[0].to(GPUWIRE, non_blocking=kwargs.get("non_blocking", False))
+        return func(*args, **kwargs)
+
+
+def _remote_info() -> dict:
+    return _device.runtime().device_info
+
+
+def _properties(device=None):
+    info = _remote_info()
+    major, minor = _capability_of(info)
+    return types.SimpleNamespace(
+        name=info.get("name", "gpuwire device"), total_memory=int(info.get("total_memory", 0)),
+        major=major, minor=minor, multi_processor_count=int(info.get("multi_processor_count", 1)),
+        is_integrated=False, is_multi_gpu_board=False, uuid=f"gpuwire-{info.get('index', 0)}",
+        L2_cache_size=0, warp_size=32, gcnArchName="", backend=info.get("backend"),
+        software=bool(info.get("software")))
+
+
+def _capability_of(info: dict) -> tuple[int, int]:
+    if info.get("software"):
+        # the CPU backend runs fp16/bf16 ops; report an Ampere-class capability so libraries
+        # enable the paths a modern GPU would take (the device name says it is software)
+        return 8, 0
+    return int(info.get("major", 0)), int(info.get("minor", 0))
+
+
+def _memory(key: str) -> int:
+    return int(_device.runtime().query("memory")[key])
+
+
+class Event:
+    """``torch.cuda.Event``. ``record`` waits for the node to finish the work queued so far, so
+    ``elapsed_time`` measures what ran on the node between two records (plus one round trip)."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False, **_):
+        self.enable_timing = enable_timing
+        self._time: float | None = None
+
+    def record(self, stream=None):
+        _device.runtime().synchronize()
+        self._time = time.perf_counter()
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end_event: "Event") -> float:
+        if self._time is None or end_event._time is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        return (end_event._time - self._time) * 1000.0
+
+
+class Stream:
+    """``torch.cuda.Stream``: the node runs a session's ops in order, so every stream is the
+    same stream; waiting and synchronizing behave accordingly."""
+
+    def __init__(self, device=None, priority: int = 0, **_):
+        self.device = torch.device("cuda", 0)
+        self.priority = priority
+        self.cuda_stream = 0
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def synchronize(self):
+        _device.runtime().synchronize()
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def __eq__(self, other):
+        return isinstance(other, Stream)
+
+    def __hash__(self):
+        return 0
+
+
+_DEFAULT_STREAM = None
+
+
+def _default_stream(device=None):
+    global _DEFAULT_STREAM
+    if _DEFAULT_STREAM is None:
+        _DEFAULT_STREAM = Stream()
+    return _DEFAULT_STREAM
+
+
+@contextlib.contextmanager
+def _stream_context(stream=None):
+    yield stream
+
+
+def _unsupported(what: str, instead: str):
+    def fail(*args, **kwargs):
+        raise NotSupportedByGpuwire(f"{what} is not supported by gpuwire (the GPU is across the network): {instead}")
+    return fail
+
+
+class _CUDAGraph:
+    def __init__(self, *args, **kwargs):
+        _unsupported("CUDA graphs (torch.cuda.graph / CUDAGraph)",
+                     "run the model eagerly; gpuwire already batches ops into few messages")()
+
+
+def _cuda_functions() -> dict:
+    from . import torch_module as tm
+
+    def device_count() -> int:
+        return 1
+
+    def mem_get_info(device=None):
+        total = int(_remote_info().get("total_memory", 0))
+        return max(total - _memory("bytes_in_use"), 0), total
+
+    def memory_stats(device=None) -> dict:
+        used, peak = _memory("bytes_in_use"), _memory("peak_bytes")
+        return {"allocated_bytes.all.current": used, "allocated_bytes.all.peak": peak,
+                "reserved_bytes.all.current": used, "reserved_bytes.all.peak": peak}
+
+    return {
+        "is_available": lambda: True,
+        "is_initialized": lambda: True,
+        "init": lambda: _device.runtime() and None,
+        "_lazy_init": lambda: None,
+        "device_count": device_count,
+        "current_device": lambda: 0,
+        "set_device": tm.set_device,
+        "device": tm.device,
+        "device_of": lambda obj: tm.device(0),
+        "get_device_name": lambda device=None: _remote_info().get("name", "gpuwire device"),
+        "get_device_properties": _properties,
+        "get_device_capability": lambda device=None: _capability_of(_remote_info()),
+        "get_arch_list": lambda: ["sm_80"],
+        "is_bf16_supported": lambda including_emulation=True: True,
+        "synchronize": lambda device=None: _device.runtime().synchronize(),
+        "mem_get_info": mem_get_info,
+        "memory_allocated": lambda device=None: _memory("bytes_in_use"),
+        "max_memory_allocated": lambda device=None: _memory("peak_bytes"),
+        "memory_reserved": lambda device=None: _memory("bytes_in_use"),
+        "max_memory_reserved": lambda device=None: _memory("peak_bytes"),
+        "reset_peak_memory_stats": lambda device=None: _device.runtime().query("reset_peak") and None,
+        "reset_max_memory_allocated": lambda device=None: _device.runtime().query("reset_peak") and None,
+        "reset_accumulated_memory_stats": lambda device=None: None,
+        "memory_stats": memory_stats,
+        "memory_summary": lambda device=None, abbreviated=False: (
+            f"gpuwire device memory: {_memory('bytes_in_use')} bytes allocated, {_memory('peak_bytes')} peak"),
+        "empty_cache": tm.empty_cache,
+        "ipc_collect": lambda: None,
+        "manual_seed": tm.manual_seed,
+        "manual_seed_all": tm.manual_seed,
+        "seed": tm.seed,
+        "seed_all": tm.seed,
+        "initial_seed": tm.initial_seed,
+        "get_rng_state": lambda device="cuda": tm.get_rng_state(),
+        "set_rng_state": lambda new_state, device="cuda": tm.set_rng_state(new_state),
+        "get_rng_state_all": tm.get_rng_state_all,
+        "set_rng_state_all": tm.set_rng_state_all,
+        "Event": Event,
+        "Stream": Stream,
+        "current_stream": _default_stream,
+        "default_stream": _default_stream,
+        "stream": _stream_context,
+        "set_stream": lambda stream: None,
+        "utilization": lambda device=None: 0,
+        "CUDAGraph": _CUDAGraph,
+        "graph": _CUDAGraph,
+        "make_graphed_callables": _unsupported("torch.cuda.make_graphed_callables", "call the modules directly"),
+    }
+
+
+def _patch_autocast() -> None:
+    """``autocast("cuda")`` and ``GradScaler("cuda")`` → the gpuwire device."""
+    original_init = torch.amp.autocast_mode.autocast.__init__
+
+    @functools.wraps(original_init)
+    def autocast_init(self, device_type, *args, **kwargs):
+        if device_type == "cuda":
+            device_type = DEVICE_TYPE
+        original_init(self, device_type, *args, **kwargs)
+
+    torch.amp.autocast_mode.autocast.__init__ = autocast_init
+
+    def cuda_autocast(enabled=True, dtype=torch.float16, cache_enabled=True):
+        return torch.autocast(DEVICE_TYPE, enabled=enabled, dtype=dtype, cache_enabled=cache_enabled)
+
+    torch.cuda.amp.autocast = cuda_autocast
+    original_is_enabled = torch.is_autocast_enabled
+
+    def is_autocast_enabled(device_type=None):
+        if device_type is None or device_type == "cuda":
+            return original_is_enabled(DEVICE_TYPE)
+        return original_is_enabled(device_type)
+
+    torch.is_autocast_enabled = is_autocast_enabled
+    original_get_dtype = torch.get_autocast_dtype
+    torch.get_autocast_dtype = lambda device_type: original_get_dtype(DEVICE_TYPE if device_type == "cuda" else device_type)
+
+    scaler_init = torch.amp.GradScaler.__init__
+
+    @functools.wraps(scaler_init)
+    def grad_scaler_init(self, device="cuda", *args, **kwargs):
+        scaler_init(self, DEVICE_TYPE if device == "cuda" else device, *args, **kwargs)
+
+    torch.amp.GradScaler.__init__ = grad_scaler_init
+
+    def cuda_grad_scaler(*args, **kwargs):
+        return torch.amp.GradScaler(DEVICE_TYPE, *args, **kwargs)
+
+    torch.cuda.amp.GradScaler = cuda_grad_scaler
+    from . import autocast
+    autocast.register()
+
+
+def _patch_tensor_device() -> None:
+    def device(self):
+        d = _base_device(self)
+        return torch.device("cuda", d.index or 0) if d.type == DEVICE_TYPE else d
+
+    def is_cuda(self):
+        return on_device(self) or _base_is_cuda(self)
+
+    torch.Tensor.device = property(device, doc=torch._C.TensorBase.device.__doc__)
+    torch.Tensor.is_cuda = property(is_cuda, doc=torch._C.TensorBase.is_cuda.__doc__)
+
+
+def _patch_serialization() -> None:
+    """Checkpoints with CUDA storages (or ``map_location="cuda"``) load onto gpuwire."""
+    def cuda_tag(obj):
+        return None
+
+    def cuda_to_gpuwire(obj, location: str):
+        if location.startswith("cuda"):
+            return obj.to(device=GPUWIRE)
+        return None
+
+    torch.serialization.register_package(5, cuda_tag, cuda_to_gpuwire)
+    original_load = torch.load
+
+    @functools.wraps(original_load)
+    def load(f, map_location=None, *args, **kwargs):
+        return original_load(f, _map_device(map_location) if isinstance(map_location, (str, torch.device))
+                             else map_location, *args, **kwargs)
+
+    torch.load = load
+
+
+def _patch_default_device() -> None:
+    original = torch.set_default_device
+
+    @functools.wraps(original)
+    def set_default_device(device):
+        return original(_map_device(device))
+
+    torch.set_default_device = set_default_device
+
+
+def enable() -> None:
+    """Turn on CUDA compatibility in this process (idempotent)."""
+    global _enabled, _mode, GPUWIRE
+    if _enabled:
+        return
+    _device.register()
+    GPUWIRE = torch.device(DEVICE_TYPE, 0)
+    for name, fn in _cuda_functions().items():
+        setattr(torch.cuda, name, fn)
+    torch.cuda.graphs.CUDAGraph = _CUDAGraph
+    torch.cuda.graphs.graph = _CUDAGraph
+    _patch_tensor_device()
+    _patch_autocast()
+    _patch_serialization()
+    _patch_default_device()
+    _mode = CudaToGpuwire()
+    _mode.__enter__()  # stays on this thread's mode stack for the life of the program
+    _enabled = True
+
+
+def enabled() -> bool:
+    return _enabled
