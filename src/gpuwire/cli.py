@@ -83,6 +83,47 @@ def _exit_when_stdin_closes() -> None:
         os._exit(0)
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                "allow_interspersed_args": False})
+def run(
+    ctx: typer.Context,
+    node: Optional[str] = typer.Option(None, help="HOST:PORT of the node (default: GPUWIRE_NODE, else an "
+                                                  "embedded CPU node for this run)."),
+    token: Optional[str] = typer.Option(None, help="Token the node requires (default: GPUWIRE_TOKEN)."),
+    cuda_compat: bool = typer.Option(True, "--cuda-compat/--no-cuda-compat",
+                                     help="Make 'cuda' mean the gpuwire device (torch.cuda.*, .cuda(), autocast)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not print where the GPU is."),
+):
+    """Run COMMAND with its GPU work on a gpuwire node.
+
+    Examples:
+
+      gpuwire run python train.py --device cuda
+
+      gpuwire run --node gpu-box:7070 -- python -m mypkg.train
+
+      gpuwire run -- nvidia-smi
+    """
+    from .launcher import run as run_command
+    raise typer.Exit(run_command(list(ctx.args), node=node, token=token, cuda_compat=cuda_compat, quiet=quiet))
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def smi(
+    ctx: typer.Context,
+    node: Optional[str] = typer.Option(None, help="HOST:PORT of the node (default: GPUWIRE_NODE)."),
+    token: Optional[str] = typer.Option(None, help="Token the node requires (default: GPUWIRE_TOKEN)."),
+    json_output: bool = typer.Option(False, "--json", help="Print everything the node reports, as JSON."),
+    nvidia_smi: bool = typer.Option(False, "--nvidia-smi", hidden=True),
+):
+    """Show a node's GPU, memory, utilization and sessions (nvidia-smi style).
+
+    Also understands nvidia-smi's -L and --query-gpu=name,memory.total,memory.used --format=csv[,noheader][,nounits].
+    """
+    from . import smi as smi_module
+    raise typer.Exit(smi_module.main(list(ctx.args), node, token, as_json=json_output))
+
+
 @app.command()
 def version():
     """Print the gpuwire, protocol and torch versions."""

@@ -51,7 +51,7 @@ class Backend:
         total = _physical_memory()
         cpu_name = platform.processor() or platform.machine() or "CPU"
         return {
-            "name": f"gpuwire software GPU (CPU backend: {cpu_name}, {os.cpu_count()} cores)",
+            "name": f"gpuwire software GPU (CPU backend: {cpu_name} x{os.cpu_count()} cores)",  # no commas: scripts split CSV on them
             "backend": "cpu", "software": True, "index": 0, "total_memory": total,
             "major": 0, "minor": 0, "multi_processor_count": os.cpu_count() or 1, "torch": torch.__version__,
         }

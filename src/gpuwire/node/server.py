@@ -13,6 +13,8 @@ import hmac
 import logging
 import socket
 import threading
+import time
+from time import perf_counter
 
 from .. import __version__
 from .._io import send_parts
@@ -46,6 +48,9 @@ class NodeServer:
         self._listener: socket.socket | None = None
         self._closing = threading.Event()
         self._threads: set[threading.Thread] = set()
+        self.started = time.monotonic()
+        self.busy_seconds = 0.0  # time spent running sessions' commands, all sessions together
+        self._utilization_mark = (self.started, 0.0)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -90,11 +95,27 @@ class NodeServer:
             except OSError:
                 pass
 
+    def node_info(self) -> dict:
+        """What `gpuwire smi` / nvidia-smi show: the device, its use, and every session."""
+        now = time.monotonic()
+        mark_time, mark_busy = self._utilization_mark
+        elapsed = now - mark_time
+        utilization = min(100.0, 100.0 * (self.busy_seconds - mark_busy) / elapsed) if elapsed > 0 else 0.0
+        self._utilization_mark = (now, self.busy_seconds)
+        with self._lock:
+            sessions = [{"id": s.id, "peer": s.peer, "pid": s.client_pid, "client_version": s.client_version,
+                         "bytes_in_use": s.bytes_in_use, "peak_bytes": s.peak_bytes, "ops": s.ops_run}
+                        for s in self.sessions.values()]
+        return {"device": self.backend.describe(), "server_version": __version__, "utilization": round(utilization, 1),
+                "bytes_in_use": sum(s["bytes_in_use"] for s in sessions), "sessions": sessions,
+                "uptime_s": round(now - self.started, 1)}
+
     # ------------------------------------------------------------ one connection
 
     def _serve_connection(self, sock: socket.socket, addr) -> None:
         peer = f"{addr[0]}:{addr[1]}"
         session = Session(self.backend, self.rng, self.ops, peer=peer)
+        session.node_info = self.node_info
         conn = Connection(Role.SERVER, limits=self.limits, ext_hook=session.ext_hook)
         registered = False
         try:
@@ -118,6 +139,9 @@ class NodeServer:
             sock.sendall(conn.send(Welcome(server_version=__version__, capabilities=["sync-ops"],
                                            session_id=session.id, device=self.backend.describe(),
                                            limits=self.limits.as_dict())))
+            pid = hello.options.get("pid") if isinstance(hello.options, dict) else None
+            session.client_pid = pid if isinstance(pid, int) else 0
+            session.client_version = hello.client_version
             log.info("session %s opened from %s (client %s)", session.id, peer, hello.client_version)
             sock.settimeout(self.idle_timeout)
             self._session_loop(sock, conn, session)
@@ -177,7 +201,9 @@ class NodeServer:
                     if replies:
                         send_parts(sock, replies)
                     return
+                started = perf_counter()
                 reply = handle(event)
+                self.busy_seconds += perf_counter() - started
                 if reply is not None:
                     replies.extend(conn.send_parts(reply))
             if replies:

@@ -95,6 +95,9 @@ class Session:
         self.pending_error: Error | None = None
         self.decode_error: Exception | None = None
         self.generators: dict[int, torch.Generator] = {}
+        self.node_info = None  # set by the server: node-wide facts for `gpuwire smi`
+        self.client_pid = 0
+        self.client_version = ""
         self.last_seq = 0
         self.ops_run = 0
         self._next_node_id = NODE_ID_BASE
@@ -189,8 +192,8 @@ class Session:
                 raise SessionError(
                     f"tensor view (offset {offset}, sizes {list(sizes)}, strides {list(strides)}, {dtype}) reaches "
                     f"outside its storage of {storage.nbytes()} bytes")
-        elif offset * itemsize > storage.nbytes():
-            raise SessionError("tensor view offset is outside its storage")
+        # an empty view reads nothing, so its offset may lie past the end, as on CPU/CUDA
+        # (``narrow``/negative padding of an edge gives one)
         if any(s < 0 for s in strides):
             raise SessionError("negative strides are not supported")
         base = self._empty.get(dtype)
@@ -333,6 +336,12 @@ class Session:
                 or (tensor.numel() > 1 and tensor.stride() != tuple(strides)) or tensor.device != self.device
                 or tensor.is_conj() or tensor.is_neg()
                 or storage.nbytes() < nbytes or (storage.nbytes() and storage.data_ptr() in self._live_ptrs)):
+            if tuple(tensor.shape) != tuple(sizes):
+                # copy_ would broadcast (silently wrong) or fail with a baffling message
+                raise SessionError(
+                    f"the kernel returned an output of shape {list(tensor.shape)} where the client's shape "
+                    f"inference (the op's meta kernel) predicted {list(sizes)}; the meta kernel disagrees "
+                    f"with the {self.device.type} kernel for these arguments")
             fixed = torch.empty_strided(sizes, strides, dtype=dtype, device=self.device)
             fixed.copy_(tensor)
             storage = fixed.untyped_storage()
@@ -418,6 +427,8 @@ class Session:
         if what == "reset_peak":
             self.peak_bytes = self.bytes_in_use
             return None
+        if what == "node" and self.node_info is not None:
+            return self.node_info()
         raise SessionError(f"unknown query {what!r}")
 
 

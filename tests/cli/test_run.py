@@ -1,0 +1,156 @@
+"""`gpuwire run`: unmodified CUDA-style programs in real subprocesses, compared with CPU runs."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLE = os.path.join(REPO, "examples", "cuda_style_train.py")
+
+
+def gpuwire(*args, env=None, timeout=180, **kwargs):
+    return subprocess.run([sys.executable, "-m", "gpuwire", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})}, cwd=REPO, **kwargs)
+
+
+def python(*args, timeout=180):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def test_cuda_style_training_script_matches_cpu_bit_for_bit(node):
+    remote = gpuwire("run", "--node", node.address, "--", sys.executable, EXAMPLE, "--steps", "4")
+    local = python(EXAMPLE, "--steps", "4", "--force-cpu")
+    assert remote.returncode == 0, remote.stderr
+    assert "device cuda" in remote.stdout  # the script believed it had a CUDA GPU
+    losses = re.findall(r"loss (\S+)", remote.stdout)
+    assert losses and losses == re.findall(r"loss (\S+)", local.stdout)
+    assert re.search(r"checksum (\S+)", remote.stdout).group(1) == re.search(r"checksum (\S+)", local.stdout).group(1)
+    assert remote.stderr.count("GPU 0 is") == 1
+
+
+def test_amp_autocast_and_grad_scaler(node):
+    result = gpuwire("run", "--node", node.address, "--", sys.executable, EXAMPLE, "--steps", "3", "--amp")
+    assert result.returncode == 0, result.stderr
+    losses = [float(v) for v in re.findall(r"loss (\S+)", result.stdout)]
+    local = [float(v) for v in re.findall(r"loss (\S+)", python(EXAMPLE, "--steps", "3", "--force-cpu").stdout)]
+    assert len(losses) == 3
+    # float16 matmuls: close to the fp32 CPU run, but not equal (autocast really ran in half precision)
+    assert losses != local
+    assert all(abs(a - b) < 0.05 for a, b in zip(losses, local))
+
+
+HF_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    device = "cuda" if torch.cuda.is_available() and sys.argv[1] == "gpu" else "cpu"
+    torch.manual_seed(0)
+    torch.cuda.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=256, n_positions=64, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg).to(device)
+    assert next(model.parameters()).is_cuda == (device == "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.Generator().manual_seed(1)
+    for step in range(3):
+        ids = torch.randint(0, 256, (2, 16), generator=data).to(device)
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad(); loss.backward(); opt.step()
+        print("loss", repr(loss.item()))
+    model.eval()
+    out = model.generate(torch.tensor([[5, 17, 42]], device=device), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    print("tokens", out.tolist())
+    print("device", next(model.parameters()).device)
+""")
+
+
+def test_hugging_face_fine_tuning_in_cuda_style(node, tmp_path):
+    script = tmp_path / "hf_train.py"
+    script.write_text(HF_SCRIPT)
+    remote = gpuwire("run", "--node", node.address, "--", sys.executable, str(script), "gpu")
+    local = python(str(script), "cpu")
+    assert remote.returncode == 0, remote.stderr[-3000:]
+    assert "device cuda:0" in remote.stdout
+    assert re.findall(r"(loss|tokens) (.*)", remote.stdout) == re.findall(r"(loss|tokens) (.*)", local.stdout)
+
+
+def test_nvidia_smi_inside_gpuwire_run(node):
+    table = gpuwire("run", "--node", node.address, "--", "nvidia-smi")
+    assert table.returncode == 0, table.stderr
+    assert "NVIDIA-SMI (gpuwire" in table.stdout and "software GPU" in table.stdout
+    csv = gpuwire("run", "-q", "--node", node.address, "--", "nvidia-smi",
+                  "--query-gpu=name,memory.total,memory.used", "--format=csv,noheader,nounits")
+    name, total, used = [v.strip() for v in csv.stdout.strip().split(",")]
+    assert "gpuwire" in name and int(total) > 0 and int(used) >= 0
+    listed = gpuwire("run", "-q", "--node", node.address, "--", "nvidia-smi", "-L")
+    assert listed.stdout.startswith("GPU 0: ")
+
+
+def test_python_dash_m_and_child_processes_inherit(node, tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "main.py").write_text(textwrap.dedent("""
+        import subprocess, sys, torch
+        print("parent", torch.cuda.is_available(), (torch.ones(2).cuda() * 2).sum().item())
+        subprocess.run([sys.executable, "-c",
+                        "import torch; print('child', torch.cuda.is_available(), torch.ones(3, device='cuda').sum().item())"],
+                       check=True)
+    """))
+    result = subprocess.run([sys.executable, "-m", "gpuwire", "run", "-q", "--node", node.address, "--",
+                             sys.executable, "-m", "pkg.main"], capture_output=True, text=True, timeout=180,
+                            cwd=tmp_path)
+    assert "parent True 4.0" in result.stdout, result.stderr
+    assert "child True 3.0" in result.stdout, result.stderr
+
+
+def test_exit_code_is_the_childs(node):
+    result = gpuwire("run", "-q", "--node", node.address, "--", sys.executable, "-c", "import sys; sys.exit(7)")
+    assert result.returncode == 7
+
+
+def test_unreachable_node_fails_before_the_program_starts():
+    result = gpuwire("run", "--node", "127.0.0.1:1", "--", sys.executable, "-c", "print('STARTED')")
+    assert result.returncode != 0
+    assert "STARTED" not in result.stdout
+    lines = [line for line in result.stderr.strip().splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("gpuwire run: cannot connect"), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_wrong_token_fails_with_one_line():
+    from tests.conftest import NodeProcess
+    protected = NodeProcess("--token", "right")
+    try:
+        result = gpuwire("run", "--node", protected.address, "--token", "wrong", "--", sys.executable, "-c", "print(1)")
+        assert result.returncode != 0 and "refused the session" in result.stderr and "Traceback" not in result.stderr
+    finally:
+        protected.kill()
+
+
+def test_killed_child_leaves_no_session_on_the_node(fresh_node):
+    code = "import torch, time; x = torch.ones(1 << 20, device='cuda'); torch.cuda.synchronize(); print('ready', flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-m", "gpuwire", "run", "-q", "--node", fresh_node.address, "--",
+                             sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO,
+                            start_new_session=True)
+    try:
+        assert proc.stdout.readline().startswith("ready")
+        from gpuwire.smi import fetch
+        info, _ = fetch(fresh_node.address, None)
+        assert len(info["sessions"]) == 1 and info["bytes_in_use"] >= 4 << 20
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its child, as a crash would
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            info, _ = fetch(fresh_node.address, None)
+            if not info["sessions"]:
+                break
+            time.sleep(0.2)
+        assert info["sessions"] == [] and info["bytes_in_use"] == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
