@@ -69,3 +69,9 @@ _register_now()
 def device(index: int = 0):
     import torch
     return torch.device("gpuwire", index)
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext gpuwire`` in IPython/Jupyter: adds the ``%gpuwire`` magic."""
+    from .jupyter import load_ipython_extension as load
+    load(ipython)
