@@ -1,0 +1,148 @@
+"""Exercises torch.cuda APIs under CUDA compatibility; prints one JSON object of results.
+
+Run in a subprocess by test_cuda_api.py (compatibility patches are process-wide)."""
+
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+import gpuwire
+
+gpuwire.attach(sys.argv[1], cuda_compat=True)
+results = {}
+
+
+def check(name, fn):
+    try:
+        value = fn()
+        results[name] = {"ok": True, "value": value if isinstance(value, (int, float, str, bool, list, type(None))) else repr(value)}
+    except Exception as exc:  # noqa: BLE001
+        results[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+check("is_available", lambda: torch.cuda.is_available())
+check("device_count", lambda: torch.cuda.device_count())
+check("get_device_name", lambda: torch.cuda.get_device_name(0))
+check("get_device_properties", lambda: torch.cuda.get_device_properties(0).total_memory > 0)
+check("get_device_capability", lambda: list(torch.cuda.get_device_capability()))
+check("mem_get_info", lambda: list(torch.cuda.mem_get_info()))
+check("current_device", lambda: torch.cuda.current_device())
+check("set_device", lambda: torch.cuda.set_device(0))
+check("is_bf16_supported", lambda: torch.cuda.is_bf16_supported())
+
+
+def memory_stats():
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    x = torch.empty(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_allocated()
+    peak = torch.cuda.max_memory_allocated()
+    del x
+    torch.cuda.empty_cache()
+    return [after - before >= 4 << 20, peak >= after]
+
+
+check("memory_allocated/max_memory_allocated/reset_peak/empty_cache", memory_stats)
+check("synchronize", lambda: torch.cuda.synchronize())
+
+
+def events():
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    a = torch.randn(256, 256, device="cuda")
+    (a @ a).sum()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) > 0
+
+
+check("Event.elapsed_time", events)
+
+
+def streams():
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        y = torch.ones(3, device="cuda") + 1
+    torch.cuda.current_stream().wait_stream(s)
+    return y.sum().item()
+
+
+check("Stream", streams)
+
+
+def rng():
+    torch.cuda.manual_seed(3)
+    a = torch.randn(4, device="cuda").tolist()
+    torch.cuda.manual_seed_all(3)
+    b = torch.randn(4, device="cuda").tolist()
+    state = torch.cuda.get_rng_state()
+    c = torch.rand(4, device="cuda").tolist()
+    torch.cuda.set_rng_state(state)
+    d = torch.rand(4, device="cuda").tolist()
+    return a == b and c == d
+
+
+check("manual_seed/get_rng_state/set_rng_state", rng)
+check("tensor.cuda()", lambda: str(torch.ones(2).cuda().device))
+check("to('cuda:0')", lambda: str(torch.ones(2).to("cuda:0").device))
+check("device=torch.device('cuda')", lambda: str(torch.zeros(2, device=torch.device("cuda")).device))
+check("is_cuda", lambda: torch.ones(2, device="cuda").is_cuda)
+check("device.type == 'cuda'", lambda: torch.ones(2, device="cuda").device.type == "cuda")
+check("Module.cuda()", lambda: next(torch.nn.Linear(2, 2).cuda().parameters()).is_cuda)
+
+
+def default_device():
+    torch.set_default_device("cuda")
+    try:
+        return str(torch.ones(2).device)
+    finally:
+        torch.set_default_device("cpu")
+
+
+check("set_default_device('cuda')", default_device)
+check("pin_memory + non_blocking", lambda: torch.ones(3).pin_memory().to("cuda", non_blocking=True).sum().item())
+
+
+def autocast():
+    a = torch.randn(8, 8, device="cuda")
+    with torch.autocast("cuda", dtype=torch.float16):
+        mm = a @ a
+        soft = torch.softmax(mm, -1)
+    with torch.cuda.amp.autocast(dtype=torch.bfloat16):
+        lin = torch.nn.functional.linear(a, a)
+    return [str(mm.dtype), str(soft.dtype), str(lin.dtype)]
+
+
+check("autocast('cuda')", autocast)
+
+
+def grad_scaler():
+    model = torch.nn.Linear(4, 1).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cuda")
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = model(torch.randn(8, 4, device="cuda")).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    return scaler.get_scale()
+
+
+check("GradScaler('cuda')", grad_scaler)
+
+
+def checkpoint():
+    path = os.path.join(tempfile.mkdtemp(), "m.pt")
+    model = torch.nn.Linear(3, 3).cuda()
+    torch.save(model.state_dict(), path)
+    loaded = torch.load(path, map_location="cuda")
+    return str(loaded["weight"].device)
+
+
+check("torch.save/torch.load(map_location='cuda')", checkpoint)
+check("torch.cuda.graphs", lambda: torch.cuda.CUDAGraph())
+print("RESULTS " + json.dumps(results))

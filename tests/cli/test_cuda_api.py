@@ -1,0 +1,48 @@
+"""torch.cuda APIs under CUDA compatibility, each checked in a real subprocess (the results
+back the table in docs/compatibility.md)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_api_probe.py")
+
+
+@pytest.fixture(scope="module")
+def results(node):
+    proc = subprocess.run([sys.executable, PROBE, node.address], capture_output=True, text=True, timeout=180)
+    line = next((line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")), None)
+    assert line, proc.stdout + proc.stderr
+    return json.loads(line[len("RESULTS "):])
+
+
+WORKS = ["is_available", "device_count", "get_device_name", "get_device_properties", "get_device_capability",
+         "mem_get_info", "current_device", "set_device", "is_bf16_supported",
+         "memory_allocated/max_memory_allocated/reset_peak/empty_cache", "synchronize", "Event.elapsed_time", "Stream",
+         "manual_seed/get_rng_state/set_rng_state", "tensor.cuda()", "to('cuda:0')", "device=torch.device('cuda')",
+         "is_cuda", "device.type == 'cuda'", "Module.cuda()", "set_default_device('cuda')", "pin_memory + non_blocking",
+         "autocast('cuda')", "GradScaler('cuda')", "torch.save/torch.load(map_location='cuda')"]
+
+
+@pytest.mark.parametrize("api", WORKS)
+def test_cuda_api_works(results, api):
+    assert results[api]["ok"], results[api]
+    value = results[api]["value"]
+    assert value is not False and not (isinstance(value, list) and any(v is False for v in value)), results[api]
+
+
+def test_reported_values(results):
+    assert results["is_available"]["value"] is True
+    assert results["device_count"]["value"] == 1
+    assert "gpuwire" in results["get_device_name"]["value"]
+    assert results["tensor.cuda()"]["value"] == "cuda:0"
+    assert results["autocast('cuda')"]["value"] == ["torch.float16", "torch.float32", "torch.bfloat16"]
+    assert results["torch.save/torch.load(map_location='cuda')"]["value"] == "cuda:0"
+
+
+def test_cuda_graphs_fail_with_a_clear_message(results):
+    assert not results["torch.cuda.graphs"]["ok"]
+    assert "not supported by gpuwire" in results["torch.cuda.graphs"]["error"]
