@@ -950,7 +950,7 @@ class TestMalformedFrames:
         expect_error(open_client(), frame([SyncDone.code, 1], b"zz"), "payload")
 
     @pytest.mark.parametrize("header", [
-        [Sync.code], [Sync.code, 1, 2], [Alloc.code, 1, 2], [Alloc.code, 1, 2, 3, 4], [Free.code],
+        [Sync.code], [Sync.code, 1, 2], [Alloc.code, 1, 2], [Alloc.code, 1, 2, 3, True, 5], [Free.code],
         [Write.code, 1, 2], [Read.code, 1, 2, 3], [Seed.code, 1], [Query.code, 1, "x", "y"],
         [Goodbye.code], [Goodbye.code, "a", "b"], [SetRngState.code, 1, 2],
     ], ids=repr)

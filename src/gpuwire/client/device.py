@@ -652,7 +652,10 @@ def upload(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     with rt.lock:
         if src.dtype == dst.dtype and src.shape == dst.shape and _plain(dst):
             data = _host_bytes(src)
-            rt.write(storage_id_of(dst), dst.storage_offset() * dst.element_size(), data)
+            storage_id = storage_id_of(dst)
+            if dst.storage_offset() == 0 and data.nbytes == dst.untyped_storage().nbytes():
+                rt.mark_overwrite(storage_id)
+            rt.write(storage_id, dst.storage_offset() * dst.element_size(), data)
             return dst
         staging = new_empty(rt, tuple(src.shape), _contiguous_strides(tuple(src.shape)), src.dtype)
         rt.write(storage_id_of(staging), 0, _host_bytes(src))
@@ -660,17 +663,19 @@ def upload(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     return dst
 
 
-def download(src: torch.Tensor) -> torch.Tensor:
-    """Device → host: a CPU tensor with ``src``'s values (one round trip)."""
+def download(src: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+    """Device → host: a CPU tensor with ``src``'s values (one round trip). The bytes are
+    received straight into ``into`` (a contiguous CPU tensor of the same shape and dtype)
+    or into a new tensor."""
     rt = runtime()
+    host = into if into is not None else torch.empty(tuple(src.shape), dtype=src.dtype)
     with rt.lock:
         if not _plain(src):
             src = aten.clone.default(src, memory_format=torch.contiguous_format)
         nbytes = src.numel() * src.element_size()
-        data = rt.read(storage_id_of(src), src.storage_offset() * src.element_size(), nbytes)
-    if nbytes == 0:
-        return torch.empty(tuple(src.shape), dtype=src.dtype)
-    return torch.frombuffer(data, dtype=src.dtype).view(src.shape)
+        target = memoryview(host.reshape(-1).view(torch.uint8).numpy()) if nbytes else None
+        rt.read(storage_id_of(src), src.storage_offset() * src.element_size(), nbytes, into=target)
+    return host
 
 
 def _copy_from(op, args, kwargs):
@@ -684,8 +689,11 @@ def _copy_from(op, args, kwargs):
         return dst
     if dst_remote:
         return upload(src, dst)
-    host = download(src)
-    dst.copy_(host)
+    if (dst.dtype == src.dtype and dst.shape == src.shape and dst.is_contiguous()
+            and not dst.is_conj() and not dst.is_neg() and not dst.requires_grad):
+        download(src, into=dst)
+    else:
+        dst.copy_(download(src))
     return dst
 
 

@@ -92,7 +92,9 @@ class Runtime:
         self._dead: BaseException | None = None
         self._sock = self._connect(connect_timeout)
         self._sock.settimeout(reply_timeout)
-        self.conn = Connection(Role.CLIENT, default=encode_default)
+        self._last_alloc = None  # (storage id, nbytes, queued frame) of the latest Alloc
+        self._read_into: dict[int, memoryview] = {}  # Read seq -> where its Data payload lands
+        self.conn = Connection(Role.CLIENT, default=encode_default, payload_sink=self._data_sink)
         self._handshake(token, connect_timeout)
 
     # ------------------------------------------------------------ connection
@@ -201,19 +203,18 @@ class Runtime:
                     raise self._lost(ConnectionError("the node closed the connection"))
                 return event
             try:
-                data = self._sock.recv(1 << 20)
+                received = self._sock.recv_into(conn.get_buffer(1 << 20))
             except (socket.timeout, TimeoutError):
                 raise
             except OSError as exc:
                 raise self._lost(exc) from None
-            if not data:
-                conn.receive_data(b"")
+            conn.buffer_updated(received)
+            if not received:
                 event = conn.next_event()
                 if event is NEED_DATA or event is CLOSED:
                     raise self._lost(ConnectionError("the node closed the connection"))
                 return event
-            self.bytes_received += len(data)
-            conn.receive_data(data)
+            self.bytes_received += received
 
     def request(self, event):
         """Send a command that has a reply; wait for it. Raises RemoteError for a failure of
@@ -271,10 +272,24 @@ class Runtime:
         self._next_address = address + ((max(nbytes, 1) + 2 * ALIGN - 1) & ~(ALIGN - 1))
         return address
 
+    def mark_overwrite(self, storage_id: int) -> bool:
+        """The storage just allocated will be written whole next: let the node skip zeroing it
+        (rewrites its Alloc if that is still the last queued command)."""
+        if self._last_alloc is not None and self._last_alloc[0] == storage_id and self._queue \
+                and self._queue[-1] is self._last_alloc[2]:
+            _, nbytes, _frame = self._last_alloc
+            self._queue[-1] = self.conn.send(Alloc(seq=self.next_seq(), storage_id=storage_id, nbytes=nbytes,
+                                                   overwrite=True))
+            self._last_alloc = None
+            return True
+        return False
+
     def allocate(self, nbytes: int) -> int:
         """A fresh storage id; the node allocates (zeroed) memory for it when the Alloc arrives."""
         address = self.reserve(nbytes)
-        self.enqueue(self.conn.send(Alloc(seq=self.next_seq(), storage_id=address, nbytes=nbytes)))
+        frame = self.conn.send(Alloc(seq=self.next_seq(), storage_id=address, nbytes=nbytes))
+        self._last_alloc = (address, nbytes, frame)
+        self.enqueue(frame)
         return address
 
     def track(self, storage_id: int, storage) -> None:
@@ -316,35 +331,51 @@ class Runtime:
                 except OSError as exc:
                     raise self._lost(exc) from None
 
-    def read(self, storage_id: int, byte_offset: int, nbytes: int) -> bytearray:
-        """Device → host bytes: one round trip, chunks pipelined."""
+    def _data_sink(self, header: list, nbytes: int):
+        """Large Data payloads are received straight into the reader's destination."""
+        if header[0] == Data.code and len(header) > 1:
+            view = self._read_into.get(header[1])
+            if view is not None and view.nbytes == nbytes:
+                return view
+        return None
+
+    def read(self, storage_id: int, byte_offset: int, nbytes: int, into: memoryview | None = None):
+        """Device → host bytes into ``into`` (a writable buffer of ``nbytes``; a new bytearray
+        if None): one round trip, chunks pipelined, large chunks received in place."""
         with self.lock:
             self._check_alive()
-            out = bytearray(nbytes)
+            out = memoryview(bytearray(nbytes) if into is None else into).cast("B")
             if nbytes == 0:
                 self.request(Sync(seq=self.next_seq()))
                 return out
-            starts = list(range(0, nbytes, CHUNK_BYTES))
-            for start in starts:
-                self._queue.append(self.conn.send(Read(seq=self.next_seq(), storage_id=storage_id,
-                                                       byte_offset=byte_offset + start,
-                                                       nbytes=min(CHUNK_BYTES, nbytes - start))))
-            self._flush()
-            self.round_trips += 1
-            view = memoryview(out)
-            error = None
-            for start in starts:
-                try:
-                    reply = self._next_event()
-                except ProtocolError as exc:
-                    raise self._lost(exc) from None
-                if type(reply) is Error:
-                    error = error or reply
-                    continue
-                if type(reply) is not Data:
-                    raise self._lost(ProtocolError(f"expected Data, got {type(reply).__name__}"))
-                chunk = reply.payload
-                view[start:start + len(chunk)] = chunk
+            chunks = []
+            for start in range(0, nbytes, CHUNK_BYTES):
+                seq = self.next_seq()
+                size = min(CHUNK_BYTES, nbytes - start)
+                chunks.append((seq, start, size))
+                self._read_into[seq] = out[start:start + size]
+                self._queue.append(self.conn.send(Read(seq=seq, storage_id=storage_id,
+                                                       byte_offset=byte_offset + start, nbytes=size)))
+            try:
+                self._flush()
+                self.round_trips += 1
+                error = None
+                for seq, start, size in chunks:
+                    try:
+                        reply = self._next_event()
+                    except ProtocolError as exc:
+                        raise self._lost(exc) from None
+                    if type(reply) is Error:
+                        error = error or reply
+                        continue
+                    if type(reply) is not Data or reply.seq != seq:
+                        raise self._lost(ProtocolError(f"expected Data for read #{seq}, got {type(reply).__name__}"))
+                    payload = reply.payload
+                    if not (isinstance(payload, memoryview) and payload.obj is out.obj):
+                        out[start:start + size] = payload  # small chunk: came through the frame buffer
+            finally:
+                for seq, _, _ in chunks:
+                    self._read_into.pop(seq, None)
             if error is not None:
                 raise remote_error(error.op, error.seq, error.exc_type, error.message, self.address)
             return out

@@ -116,7 +116,8 @@ class NodeServer:
         peer = f"{addr[0]}:{addr[1]}"
         session = Session(self.backend, self.rng, self.ops, peer=peer)
         session.node_info = self.node_info
-        conn = Connection(Role.SERVER, limits=self.limits, ext_hook=session.ext_hook)
+        conn = Connection(Role.SERVER, limits=self.limits, ext_hook=session.ext_hook,
+                          payload_sink=session.payload_sink)
         registered = False
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -190,8 +191,7 @@ class NodeServer:
         handle = session.handle
         next_event = conn.next_event
         while True:
-            data = sock.recv(RECV_BYTES)
-            conn.receive_data(data)
+            conn.buffer_updated(sock.recv_into(conn.get_buffer(RECV_BYTES)))
             replies = []
             while True:
                 event = next_event()

@@ -95,6 +95,8 @@ class Session:
         self.pending_error: Error | None = None
         self.decode_error: Exception | None = None
         self.generators: dict[int, torch.Generator] = {}
+        self._landed = None  # the payload_sink view of the Write being received in place
+        self._unzeroed = None  # [storage_id, bytes covered so far, nbytes] after an overwrite Alloc
         self.node_info = None  # set by the server: node-wide facts for `gpuwire smi`
         self.client_pid = 0
         self.client_version = ""
@@ -227,11 +229,35 @@ class Session:
             if storage.nbytes():
                 self._live_ptrs.discard(storage.data_ptr())
 
-    def allocate(self, storage_id: int, nbytes: int) -> None:
+    def allocate(self, storage_id: int, nbytes: int, zero: bool = True) -> None:
         if storage_id >= NODE_ID_BASE:
             raise SessionError(f"storage id {storage_id:#x} is in the node's range")
-        # zeroed: a tenant never reads what an earlier one left in device memory
-        self._store(storage_id, torch.zeros(nbytes, dtype=torch.uint8, device=self.device).untyped_storage())
+        self._settle_unzeroed()
+        if zero:
+            # zeroed: a tenant never reads what an earlier one left in device memory
+            self._store(storage_id, torch.zeros(nbytes, dtype=torch.uint8, device=self.device).untyped_storage())
+            return
+        self._store(storage_id, torch.empty(nbytes, dtype=torch.uint8, device=self.device).untyped_storage())
+        self._unzeroed = [storage_id, 0, nbytes]
+
+    def _settle_unzeroed(self) -> None:
+        """Zero what the in-order Writes after an ``overwrite`` Alloc did not cover, before any
+        other command can read it."""
+        pending, self._unzeroed = self._unzeroed, None
+        if pending is not None:
+            storage_id, covered, nbytes = pending
+            if covered < nbytes and storage_id in self.storages:
+                self._bytes_view(storage_id, covered, nbytes - covered).zero_()
+
+    def _covers_unzeroed(self, event) -> bool:
+        pending = self._unzeroed
+        if (pending is not None and type(event) is Write and event.storage_id == pending[0]
+                and event.byte_offset == pending[1]):
+            pending[1] += len(event.payload)
+            if pending[1] >= pending[2]:
+                self._unzeroed = None
+            return True
+        return False
 
     def close(self) -> None:
         self.storages.clear()
@@ -250,11 +276,13 @@ class Session:
             if self.decode_error is not None:
                 exc, self.decode_error = self.decode_error, None
                 raise exc
+            if self._unzeroed is not None and not self._covers_unzeroed(event):
+                self._settle_unzeroed()
             if cls is Op:
                 self._run_op(event)
                 return None
             if cls is Alloc:
-                self.allocate(event.storage_id, event.nbytes)
+                self.allocate(event.storage_id, event.nbytes, zero=not event.overwrite)
                 return None
             if cls is Free:
                 for sid in event.storage_ids:
@@ -360,8 +388,26 @@ class Session:
     def _bytes_view(self, storage_id: int, byte_offset: int, nbytes: int) -> torch.Tensor:
         return self.view(storage_id, byte_offset, (nbytes,), (1,), codec.DTYPE_CODES["uint8"])
 
+    def payload_sink(self, header: list, nbytes: int):
+        """Connection hook: on the CPU backend a large Write lands directly in the storage it
+        targets (bounds-checked here); anything else goes through a buffer and ``_write``."""
+        if self.device.type != "cpu" or header[0] != Write.code or len(header) != 4:
+            return None
+        _, _seq, storage_id, byte_offset = header
+        if type(storage_id) is not int or type(byte_offset) is not int or byte_offset < 0:
+            return None
+        try:
+            view = memoryview(self._bytes_view(storage_id, byte_offset, nbytes).numpy())
+        except SessionError:
+            return None  # ``_write`` reports the error when the event is handled
+        self._landed = view
+        return view
+
     def _write(self, event: Write) -> None:
         payload = event.payload
+        if payload is self._landed:  # already received in place
+            self._landed = None
+            return
         n = len(payload)
         if not n:
             return

@@ -42,6 +42,7 @@ from .events import (
 )
 
 PREFIX = struct.Struct("!IQ")
+LARGE_PAYLOAD = 64 << 10  # payloads at least this large bypass the frame buffer
 _DEFINE_OP = 10  # internal frame: [10, op_index, name]
 
 
@@ -107,7 +108,7 @@ def check_hello(hello: Hello, server_version: str) -> None:
 class Connection:
     """One side of one data-plane connection."""
 
-    def __init__(self, role: Role, *, limits: Limits | None = None, default=None, ext_hook=None):
+    def __init__(self, role: Role, *, limits: Limits | None = None, default=None, ext_hook=None, payload_sink=None):
         self.role = role
         self.limits = limits or Limits()
         self.state = State.HANDSHAKE
@@ -122,6 +123,12 @@ class Connection:
         self._incoming = SERVER_EVENTS if role is Role.CLIENT else CLIENT_EVENTS
         self.peer_hello: Hello | None = None
         self.peer_welcome: Welcome | None = None
+        # large payloads are received straight into their own buffer (or one the application
+        # provides through ``payload_sink(header, nbytes)``) instead of the frame buffer
+        self._payload_sink = payload_sink
+        self._pending = None  # [header, view, filled, total] while a large payload arrives
+        self._scratch = bytearray(0)
+        self._direct = False
 
     # ------------------------------------------------------------ sending
 
@@ -195,6 +202,28 @@ class Connection:
         else:
             self._eof = True
 
+    def get_buffer(self, sizehint: int = 1 << 20) -> memoryview:
+        """A writable buffer for the transport to ``recv_into``; report how much it filled with
+        ``buffer_updated`` (the asyncio BufferedProtocol pattern). While a large payload is
+        arriving this is the payload's own destination, so bulk bytes are copied only by the
+        kernel."""
+        pending = self._pending
+        if pending is not None and self._pos == len(self._buffer):
+            self._direct = True
+            return pending[1][pending[2]:]
+        self._direct = False
+        if len(self._scratch) < sizehint:
+            self._scratch = bytearray(sizehint)
+        return memoryview(self._scratch)[:sizehint]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if nbytes == 0:
+            self.receive_data(b"")
+        elif self._direct:
+            self._pending[2] += nbytes
+        else:
+            self.receive_data(memoryview(self._scratch)[:nbytes])
+
     @property
     def buffered(self) -> int:
         return len(self._buffer) - self._pos
@@ -206,6 +235,8 @@ class Connection:
                 return event
 
     def _next_frame(self):
+        if self._pending is not None:
+            return self._continue_payload()
         buf = self._buffer
         start = self._pos
         available = len(buf) - start
@@ -217,9 +248,11 @@ class Connection:
         if payload_len > self.limits.max_payload_bytes:
             raise ProtocolError(f"frame payload of {payload_len} bytes exceeds the limit of {self.limits.max_payload_bytes}")
         end = start + PREFIX.size + header_len + payload_len
+        header_end = start + PREFIX.size + header_len
+        if len(buf) < end and payload_len >= LARGE_PAYLOAD and len(buf) >= header_end:
+            return self._begin_payload(bytes(buf[start + PREFIX.size:header_end]), header_end, payload_len)
         if len(buf) < end:
             return self._starved(available)
-        header_end = start + PREFIX.size + header_len
         raw_header = bytes(buf[start + PREFIX.size:header_end])
         payload = bytes(buf[header_end:end]) if payload_len else b""
         # consume the frame before decoding it: a frame that fails to decode is never seen twice
@@ -228,6 +261,41 @@ class Connection:
             del buf[:self._pos]
             self._pos = 0
         return self._to_event(self._decode_header(raw_header), payload, payload_len)
+
+    def _begin_payload(self, raw_header: bytes, header_end: int, payload_len: int):
+        self._pos = header_end
+        header = self._decode_header(raw_header)
+        cls = EVENT_TYPES.get(header[0])
+        if cls is None or not cls.has_payload or cls not in self._incoming:
+            raise ProtocolError(f"event code {header[0]} cannot carry a {payload_len}-byte payload here")
+        view = self._payload_sink(header, payload_len) if self._payload_sink is not None else None
+        own = view is None
+        if own:
+            view = memoryview(bytearray(payload_len))
+        elif view.nbytes != payload_len or view.readonly:
+            raise ValueError("payload_sink must return a writable buffer of exactly the payload's size")
+        self._pending = [header, view.cast("B") if view.format != "B" else view, 0, payload_len, own]
+        return self._continue_payload()
+
+    def _continue_payload(self):
+        header, view, filled, total, own = self._pending
+        buf = self._buffer
+        leftover = len(buf) - self._pos
+        if leftover and filled < total:
+            take = min(leftover, total - filled)
+            view[filled:filled + take] = memoryview(buf)[self._pos:self._pos + take]
+            self._pos += take
+            filled = self._pending[2] = filled + take
+            if self._pos == len(buf):
+                buf.clear()
+                self._pos = 0
+        if filled < total:
+            if self._eof:
+                raise ProtocolError(f"connection closed in the middle of a {total}-byte payload ({filled} received)")
+            return NEED_DATA
+        self._pending = None
+        # our own buffer is handed over as the bytearray; a sink's buffer as the view it gave
+        return self._to_event(header, view.obj if own else view, total)
 
     def _starved(self, available: int):
         if self._eof:
@@ -329,7 +397,7 @@ _DEFINE = _Sentinel("DEFINE")
 # integer storage id belongs. (name -> accepted types)
 _INT = (int,)
 _FIELD_TYPES = {
-    "seq": _INT, "storage_id": _INT, "byte_offset": _INT, "nbytes": _INT, "seed": _INT,
+    "overwrite": (bool,), "seq": _INT, "storage_id": _INT, "byte_offset": _INT, "nbytes": _INT, "seed": _INT,
     "reply_to": _INT, "protocol_version": _INT,
     "name": (str,), "what": (str,), "magic": (str,), "reason": (str,), "client_version": (str,),
     "server_version": (str,), "session_id": (str,), "op": (str,), "exc_type": (str,), "message": (str,),

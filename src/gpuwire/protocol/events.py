@@ -106,10 +106,15 @@ class CallSync(Event):
 
 @dataclass
 class Alloc(Event):
+    """Allocate ``nbytes`` under ``storage_id``. ``overwrite``: the next commands are Writes
+    covering the whole storage in order, so the node may skip zeroing what they cover (it
+    zeroes whatever they turn out not to cover)."""
+
     code: ClassVar[int] = 13
     seq: int = 0
     storage_id: int = 0
     nbytes: int = 0
+    overwrite: bool = False
 
 
 @dataclass
