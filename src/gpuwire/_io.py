@@ -10,8 +10,10 @@ def send_parts(sock: socket.socket, parts: list) -> int:
     ``sendmsg``, never joining them, so bulk payloads are not copied. Returns bytes sent."""
     views = []
     for part in parts:
-        view = memoryview(part).cast("B")
-        if len(view):
+        view = memoryview(part)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        if view.nbytes:
             views.append(view)
     total = 0
     while views:

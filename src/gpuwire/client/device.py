@@ -610,17 +610,27 @@ def _from_result(rt: Runtime, value):
 # ---------------------------------------------------------------- ops with their own handling
 
 
+_LAYOUTS: dict = {}  # (sizes, dtype, memory_format) -> (strides, nbytes)
+
+
 def _empty_memory_format(op, args, kwargs):
     sizes = tuple(args[0])
     dtype = kwargs.get("dtype") or torch.get_default_dtype()
     memory_format = kwargs.get("memory_format")
-    if memory_format is None or memory_format is torch.contiguous_format or memory_format is torch.preserve_format:
-        strides = _contiguous_strides(sizes)
-    else:
-        strides = tuple(torch.empty(sizes, device="meta", memory_format=memory_format).stride())
+    key = (sizes, dtype, memory_format)
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        if memory_format is None or memory_format is torch.contiguous_format or memory_format is torch.preserve_format:
+            strides = _contiguous_strides(sizes)
+        else:
+            strides = tuple(torch.empty(sizes, device="meta", memory_format=memory_format).stride())
+        layout = (strides, _storage_nbytes(sizes, strides, dtype.itemsize))
+        if len(_LAYOUTS) < 65536:
+            _LAYOUTS[key] = layout
+    strides, nbytes = layout
     rt = runtime()
     with rt.lock:
-        t = new_empty(rt, sizes, strides, dtype)
+        t = wrap_storage(rt, rt.allocate(nbytes), nbytes, sizes, strides, dtype)
     _state.fresh = weakref.ref(t)  # weak: must not keep the last allocation alive
     return t
 

@@ -278,8 +278,7 @@ class Runtime:
         if self._last_alloc is not None and self._last_alloc[0] == storage_id and self._queue \
                 and self._queue[-1] is self._last_alloc[2]:
             _, nbytes, _frame = self._last_alloc
-            self._queue[-1] = self.conn.send(Alloc(seq=self.next_seq(), storage_id=storage_id, nbytes=nbytes,
-                                                   overwrite=True))
+            self._queue[-1] = self.conn.encode_alloc(self.next_seq(), storage_id, nbytes, overwrite=True)
             self._last_alloc = None
             return True
         return False
@@ -287,7 +286,8 @@ class Runtime:
     def allocate(self, nbytes: int) -> int:
         """A fresh storage id; the node allocates (zeroed) memory for it when the Alloc arrives."""
         address = self.reserve(nbytes)
-        frame = self.conn.send(Alloc(seq=self.next_seq(), storage_id=address, nbytes=nbytes))
+        self.seq += 1
+        frame = self.conn.encode_alloc(self.seq, address, nbytes)
         self._last_alloc = (address, nbytes, frame)
         self.enqueue(frame)
         return address

@@ -7,6 +7,8 @@ floats and lists are packed in C with no Python walk.
 
 from __future__ import annotations
 
+import functools
+
 import msgpack
 import torch
 
@@ -34,6 +36,8 @@ _LAYOUT_EXT = {
 # is the only thing that survives. tag -> remote generator id
 generator_ids: dict[int, int] = {}
 _pack = msgpack.Packer(use_bin_type=True, autoreset=True).pack
+# ExtType without its Python-level argument checks (our codes and bytes are always valid)
+_ext = functools.partial(tuple.__new__, msgpack.ExtType)
 MAX_INLINE_BYTES = 1 << 20
 _PRIVATE_USE1 = torch._C.DispatchKey.PrivateUse1
 _dispatch_keys = torch._C._dispatch_keys
@@ -62,7 +66,7 @@ def tensor_ext(t: torch.Tensor) -> msgpack.ExtType:
     pointer = t.data_ptr()
     # an empty tensor reports a null data pointer; its storage still has its address
     storage_id = pointer - offset * t.element_size() if pointer else t.untyped_storage().data_ptr()
-    return msgpack.ExtType(codec.EXT_TENSOR, _pack((storage_id, offset, t.shape, t.stride(), DTYPE_CODE[t.dtype], flags)))
+    return _ext((codec.EXT_TENSOR, _pack((storage_id, offset, t.shape, t.stride(), DTYPE_CODE[t.dtype], flags))))
 
 
 def inline_ext(t: torch.Tensor) -> msgpack.ExtType:
