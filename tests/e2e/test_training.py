@@ -118,3 +118,18 @@ def test_state_dict_save_and_load_to_device(device, tmp_path):
     assert_states_equal({k: v.cpu() for k, v in loaded.items()}, expected)
     cpu_loaded = torch.load(path, map_location="cpu")
     assert_states_equal(cpu_loaded, expected)
+
+
+def test_packed_sequence_bidirectional_lstm(device):
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    def run(dev):
+        torch.manual_seed(0)
+        lstm = torch.nn.LSTM(4, 8, num_layers=2, bidirectional=True).to(dev)
+        x = torch.randn(5, 3, 4, generator=torch.Generator().manual_seed(1)).to(dev).requires_grad_()
+        out, (h, c) = lstm(pack_padded_sequence(x, torch.tensor([5, 3, 2])))
+        y, _ = pad_packed_sequence(out)
+        (y.sum() + h.sum()).backward()
+        return [y.detach().cpu(), x.grad.cpu(), lstm.weight_ih_l0.grad.cpu(), c.detach().cpu()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run("cpu"), run(device)))

@@ -13,7 +13,8 @@ import torch
 
 from . import device as _device
 
-RECOMPUTED = ("lstm.input", "gru.input", "rnn_tanh.input", "rnn_relu.input", "lstm_cell", "gru_cell",
+RECOMPUTED = ("lstm.input", "gru.input", "rnn_tanh.input", "rnn_relu.input", "lstm.data", "gru.data", "rnn_tanh.data",
+              "rnn_relu.data", "lstm_cell", "gru_cell",
               "rnn_tanh_cell", "rnn_relu_cell")
 _rng_state_bytes: int | None = None
 
