@@ -145,4 +145,6 @@ def checkpoint():
 
 check("torch.save/torch.load(map_location='cuda')", checkpoint)
 check("torch.cuda.graphs", lambda: torch.cuda.CUDAGraph())
+check("torch.compile", lambda: torch.compile(torch.nn.Linear(2, 2).cuda())(torch.ones(1, 2, device="cuda")).shape[1])
+check("nccl", lambda: torch.distributed.init_process_group("nccl"))
 print("RESULTS " + json.dumps(results))

@@ -350,6 +350,49 @@ def _patch_default_device() -> None:
     torch.set_default_device = set_default_device
 
 
+def _patch_compile() -> None:
+    """``torch.compile`` would hand the graph to inductor, which has no gpuwire code generator
+    (and would launch kernels on the client): the program runs eagerly instead, said once."""
+    def compile(model=None, *args, **kwargs):
+        if model is None:  # used as @torch.compile(...)
+            return lambda fn: compile(fn)
+        if not _compile_warned:
+            _note_compile()
+        return model
+
+    torch.compile = compile
+
+
+_compile_warned = False
+
+
+def _note_compile() -> None:
+    global _compile_warned
+    _compile_warned = True
+    import sys
+    print("gpuwire: torch.compile runs the model eagerly on the gpuwire device (ops are already batched "
+          "into few messages)", file=sys.stderr)
+
+
+def _patch_distributed() -> None:
+    """NCCL needs GPUs on this machine: say so instead of failing deep inside torch."""
+    import torch.distributed as dist
+    if not dist.is_available():
+        return
+    original = dist.init_process_group
+    dist.is_nccl_available = lambda: False
+
+    @functools.wraps(original)
+    def init_process_group(backend=None, *args, **kwargs):
+        if backend is not None and "nccl" in str(backend):
+            raise NotSupportedByGpuwire(
+                "torch.distributed with the NCCL backend is not supported by gpuwire (NCCL needs GPUs on this "
+                "machine); use backend='gloo', or run one process per gpuwire session")
+        return original(backend, *args, **kwargs)
+
+    dist.init_process_group = init_process_group
+
+
 def enable() -> None:
     """Turn on CUDA compatibility in this process (idempotent)."""
     global _enabled, _mode, GPUWIRE
@@ -365,6 +408,8 @@ def enable() -> None:
     _patch_autocast()
     _patch_serialization()
     _patch_default_device()
+    _patch_compile()
+    _patch_distributed()
     _mode = CudaToGpuwire()
     _mode.__enter__()  # stays on this thread's mode stack for the life of the program
     _enabled = True
