@@ -32,6 +32,8 @@ def serve(
     device_index: int = typer.Option(0, "--device", help="CUDA device index to serve."),
     token: Optional[str] = typer.Option(None, help="Require this token from clients (or set GPUWIRE_NODE_TOKEN)."),
     max_sessions: int = typer.Option(64, help="Most concurrent client sessions."),
+    session_memory: Optional[str] = typer.Option(None, help="Memory budget of each session, e.g. 4GiB "
+                                                            "(default: the whole device)."),
     idle_timeout: Optional[float] = typer.Option(None, help="Drop a session idle for this many seconds."),
     threads: Optional[int] = typer.Option(None, help="Intra-op CPU threads for the CPU backend (default: torch's)."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
@@ -53,7 +55,13 @@ def serve(
         typer.echo(f"gpuwire serve: {exc}", err=True)
         raise typer.Exit(2)
     token = token or os.environ.get("GPUWIRE_NODE_TOKEN") or None
-    server = NodeServer(host, port, backend=chosen, token=token, max_sessions=max_sessions, idle_timeout=idle_timeout)
+    try:
+        budget = parse_size(session_memory) if session_memory else None
+    except ValueError as exc:
+        typer.echo(f"gpuwire serve: {exc}", err=True)
+        raise typer.Exit(2)
+    server = NodeServer(host, port, backend=chosen, token=token, max_sessions=max_sessions, idle_timeout=idle_timeout,
+                        session_memory=budget)
     try:
         bound_host, bound_port = server.bind()
     except OSError as exc:
@@ -73,6 +81,24 @@ def serve(
         pass
     finally:
         server.close()
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
+               "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'4GiB', '512MB', '1.5G', '1024' -> bytes."""
+    import re
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else None
+    if not match or unit not in _SIZE_UNITS:
+        raise ValueError(f"cannot read {text!r} as a size; write e.g. 4GiB, 512MiB or 1000000")
+    value = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return value
 
 
 def _exit_when_stdin_closes() -> None:

@@ -88,6 +88,9 @@ class Runtime:
         self._queue_bytes = 0
         self._next_address = FIRST_ADDRESS
         self._live: dict[int, StorageWeakRef] = {}
+        self._live_bytes: dict[int, int] = {}
+        self.bytes_in_use = 0
+        self.memory_budget: int | None = None
         self._allocs_since_scan = 0
         self._dead: BaseException | None = None
         self._sock = self._connect(connect_timeout)
@@ -131,6 +134,8 @@ class Runtime:
             raise NodeUnreachable(f"node {self.address} refused the session: {event.reason}")
         self.welcome = event
         self.device_info = dict(event.device)
+        budget = event.limits.get("memory_budget") if isinstance(event.limits, dict) else None
+        self.memory_budget = budget if isinstance(budget, int) and budget > 0 else None
         self.session_id = event.session_id
         self._sock.settimeout(None)
 
@@ -267,7 +272,15 @@ class Runtime:
     # ------------------------------------------------------------ memory
 
     def reserve(self, nbytes: int) -> int:
-        """A fresh virtual address (storage id) for ``nbytes``; never reused in this session."""
+        """A fresh virtual address (storage id) for ``nbytes``; never reused in this session.
+        Raises torch.OutOfMemoryError here, at the user's line, past the session's budget."""
+        budget = self.memory_budget
+        if budget is not None and self.bytes_in_use + nbytes > budget:
+            self._collect_garbage()
+            if self.bytes_in_use + nbytes > budget:
+                raise torch.OutOfMemoryError(
+                    f"gpuwire: allocating {nbytes} bytes would exceed this session's memory budget of {budget} "
+                    f"bytes ({self.bytes_in_use} in use on node {self.address}). Free tensors or ask for a larger budget")
         address = self._next_address
         self._next_address = address + ((max(nbytes, 1) + 2 * ALIGN - 1) & ~(ALIGN - 1))
         return address
@@ -295,6 +308,9 @@ class Runtime:
     def track(self, storage_id: int, storage) -> None:
         """Free the remote storage once the last client tensor on it dies (batched)."""
         self._live[storage_id] = StorageWeakRef(storage)
+        nbytes = storage.nbytes()
+        self._live_bytes[storage_id] = nbytes
+        self.bytes_in_use += nbytes
         self._allocs_since_scan += 1
         if self._allocs_since_scan >= SCAN_EVERY:
             self._collect_garbage()
@@ -305,6 +321,7 @@ class Runtime:
         if dead:
             for sid in dead:
                 del self._live[sid]
+                self.bytes_in_use -= self._live_bytes.pop(sid, 0)
             if self._dead is None:
                 self.enqueue(self.conn.send(Free(seq=self.next_seq(), storage_ids=dead)))
 

@@ -32,7 +32,8 @@ RECV_BYTES = 1 << 20
 class NodeServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 7070, *, backend: Backend | None = None,
                  token: str | None = None, limits: Limits | None = None, max_sessions: int = 64,
-                 handshake_timeout: float = 10.0, idle_timeout: float | None = None):
+                 handshake_timeout: float = 10.0, idle_timeout: float | None = None,
+                 session_memory: int | None = None):
         self.host = host
         self.port = port
         self.backend = backend or Backend.select("auto")
@@ -41,6 +42,7 @@ class NodeServer:
         self.max_sessions = max_sessions
         self.handshake_timeout = handshake_timeout
         self.idle_timeout = idle_timeout
+        self.session_memory = session_memory
         self.rng = RngOwner(self.backend)
         self.ops = OpTable()
         self.sessions: dict[str, Session] = {}
@@ -116,6 +118,7 @@ class NodeServer:
         peer = f"{addr[0]}:{addr[1]}"
         session = Session(self.backend, self.rng, self.ops, peer=peer)
         session.node_info = self.node_info
+        session.memory_budget = self.session_memory
         conn = Connection(Role.SERVER, limits=self.limits, ext_hook=session.ext_hook,
                           payload_sink=session.payload_sink)
         registered = False
@@ -139,7 +142,8 @@ class NodeServer:
                 return
             sock.sendall(conn.send(Welcome(server_version=__version__, capabilities=["sync-ops"],
                                            session_id=session.id, device=self.backend.describe(),
-                                           limits=self.limits.as_dict())))
+                                           limits={**self.limits.as_dict(),
+                                                   "memory_budget": session.memory_budget})))
             pid = hello.options.get("pid") if isinstance(hello.options, dict) else None
             session.client_pid = pid if isinstance(pid, int) else 0
             session.client_version = hello.client_version

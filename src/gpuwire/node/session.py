@@ -91,6 +91,7 @@ class Session:
         self.storages: dict[int, torch.UntypedStorage] = {}
         self.bytes_in_use = 0
         self.peak_bytes = 0
+        self.memory_budget: int | None = None  # bytes; None: the whole device
         self.rng_state: torch.Tensor | None = None
         self.pending_error: Error | None = None
         self.decode_error: Exception | None = None
@@ -211,11 +212,20 @@ class Session:
 
     # ------------------------------------------------------------ storage table
 
+    def check_budget(self, nbytes: int) -> None:
+        """Refuse an allocation past the session's memory budget, before allocating."""
+        if self.memory_budget is not None and self.bytes_in_use + nbytes > self.memory_budget:
+            raise torch.OutOfMemoryError(
+                f"gpuwire: allocating {_human(nbytes)} would exceed this session's memory budget of "
+                f"{_human(self.memory_budget)} ({_human(self.bytes_in_use)} in use). Free tensors (del, "
+                "torch.cuda.empty_cache()) or ask for a larger budget")
+
     def _store(self, storage_id: int, storage: torch.UntypedStorage) -> None:
         if storage_id in self.storages:
             self._release(storage_id)
-        self.storages[storage_id] = storage
         nbytes = storage.nbytes()
+        self.check_budget(nbytes)
+        self.storages[storage_id] = storage
         self.bytes_in_use += nbytes
         if self.bytes_in_use > self.peak_bytes:
             self.peak_bytes = self.bytes_in_use
@@ -233,6 +243,7 @@ class Session:
         if storage_id >= NODE_ID_BASE:
             raise SessionError(f"storage id {storage_id:#x} is in the node's range")
         self._settle_unzeroed()
+        self.check_budget(nbytes)
         if zero:
             # zeroed: a tenant never reads what an earlier one left in device memory
             self._store(storage_id, torch.zeros(nbytes, dtype=torch.uint8, device=self.device).untyped_storage())
@@ -493,3 +504,10 @@ def _flatten_tensors(value) -> list:
 def _describe(event) -> str:
     name = getattr(event, "name", None)
     return name or type(event).__name__
+
+
+def _human(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if nbytes < 1024 or unit == "TiB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{nbytes} B"
+        nbytes /= 1024
