@@ -117,8 +117,12 @@ class Runtime:
     def _handshake(self, token: str | None, timeout: float) -> None:
         self._sock.settimeout(timeout)
         try:
+            options = {"pid": os.getpid()}
+            share = os.environ.get("GPUWIRE_SHARE")
+            if share:
+                options["share"] = float(share)
             self._sock.sendall(self.conn.send(Hello(client_version=__version__, token=token,
-                                                    capabilities=["sync-ops"], options={"pid": os.getpid()})))
+                                                    capabilities=["sync-ops"], options=options)))
             event = self._next_event()
         except (socket.timeout, TimeoutError):
             self._sock.close()

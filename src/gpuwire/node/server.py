@@ -22,6 +22,7 @@ from ..protocol import CLOSED, NEED_DATA, Connection, Limits, ProtocolError, Rol
 from ..protocol.events import Goodbye, Hello, Reject, Welcome
 from .backend import Backend
 from .ops import OpTable
+from .scheduler import FairScheduler
 from .session import RngOwner, Session
 
 log = logging.getLogger("gpuwire.node")
@@ -44,6 +45,8 @@ class NodeServer:
         self.idle_timeout = idle_timeout
         self.session_memory = session_memory
         self.rng = RngOwner(self.backend)
+        self.scheduler = FairScheduler()
+        self.quantum = 0.005  # seconds of device time a session runs before the scheduler may switch
         self.ops = OpTable()
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
@@ -51,7 +54,6 @@ class NodeServer:
         self._closing = threading.Event()
         self._threads: set[threading.Thread] = set()
         self.started = time.monotonic()
-        self.busy_seconds = 0.0  # time spent running sessions' commands, all sessions together
         self._utilization_mark = (self.started, 0.0)
 
     # ------------------------------------------------------------ lifecycle
@@ -102,11 +104,14 @@ class NodeServer:
         now = time.monotonic()
         mark_time, mark_busy = self._utilization_mark
         elapsed = now - mark_time
-        utilization = min(100.0, 100.0 * (self.busy_seconds - mark_busy) / elapsed) if elapsed > 0 else 0.0
-        self._utilization_mark = (now, self.busy_seconds)
+        busy = self.scheduler.busy_seconds
+        utilization = min(100.0, 100.0 * (busy - mark_busy) / elapsed) if elapsed > 0 else 0.0
+        self._utilization_mark = (now, busy)
         with self._lock:
             sessions = [{"id": s.id, "peer": s.peer, "pid": s.client_pid, "client_version": s.client_version,
-                         "bytes_in_use": s.bytes_in_use, "peak_bytes": s.peak_bytes, "ops": s.ops_run}
+                         "bytes_in_use": s.bytes_in_use, "peak_bytes": s.peak_bytes, "ops": s.ops_run,
+                         "share": s.share, "device_seconds": round(s.device_seconds, 4),
+                         "memory_budget": s.memory_budget}
                         for s in self.sessions.values()]
         return {"device": self.backend.describe(), "server_version": __version__, "utilization": round(utilization, 1),
                 "bytes_in_use": sum(s["bytes_in_use"] for s in sessions), "sessions": sessions,
@@ -147,6 +152,9 @@ class NodeServer:
             pid = hello.options.get("pid") if isinstance(hello.options, dict) else None
             session.client_pid = pid if isinstance(pid, int) else 0
             session.client_version = hello.client_version
+            share = hello.options.get("share") if isinstance(hello.options, dict) else None
+            if isinstance(share, (int, float)) and 0 < share <= 1:
+                session.share = float(share)  # standalone nodes trust the client; pool leases set it
             log.info("session %s opened from %s (client %s)", session.id, peer, hello.client_version)
             sock.settimeout(self.idle_timeout)
             self._session_loop(sock, conn, session)
@@ -194,21 +202,31 @@ class NodeServer:
     def _session_loop(self, sock: socket.socket, conn: Connection, session: Session) -> None:
         handle = session.handle
         next_event = conn.next_event
+        turn = self.scheduler.turn
+        quantum = self.quantum
+        starved = True
         while True:
-            conn.buffer_updated(sock.recv_into(conn.get_buffer(RECV_BYTES)))
+            if starved:
+                conn.buffer_updated(sock.recv_into(conn.get_buffer(RECV_BYTES)))
             replies = []
-            while True:
-                event = next_event()
-                if event is NEED_DATA:
-                    break
-                if event is CLOSED or type(event) is Goodbye:
-                    if replies:
-                        send_parts(sock, replies)
-                    return
-                started = perf_counter()
-                reply = handle(event)
-                self.busy_seconds += perf_counter() - started
-                if reply is not None:
-                    replies.extend(conn.send_parts(reply))
+            closing = False
+            starved = False
+            with turn(session):  # run what arrived when the fair scheduler says so, a quantum at most
+                deadline = perf_counter() + quantum
+                while True:
+                    event = next_event()
+                    if event is NEED_DATA:
+                        starved = True
+                        break
+                    if event is CLOSED or type(event) is Goodbye:
+                        closing = True
+                        break
+                    reply = handle(event)
+                    if reply is not None:
+                        replies.extend(conn.send_parts(reply))
+                    if perf_counter() > deadline:
+                        break  # let other sessions run; the rest of this batch waits its next turn
             if replies:
                 send_parts(sock, replies)
+            if closing:
+                return

@@ -92,6 +92,9 @@ class Session:
         self.bytes_in_use = 0
         self.peak_bytes = 0
         self.memory_budget: int | None = None  # bytes; None: the whole device
+        self.share = 1.0  # compute share (0, 1]: weight in the device's fair scheduler
+        self.vtime = 0.0
+        self.device_seconds = 0.0
         self.rng_state: torch.Tensor | None = None
         self.pending_error: Error | None = None
         self.decode_error: Exception | None = None
