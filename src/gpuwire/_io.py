@@ -16,6 +16,11 @@ def send_parts(sock: socket.socket, parts: list) -> int:
         if view.nbytes:
             views.append(view)
     total = 0
+    if not hasattr(sock, "sendmsg") or getattr(sock, "_sslobj", None) is not None:
+        for view in views:  # TLS sockets have no scatter-gather write
+            sock.sendall(view)
+            total += view.nbytes
+        return total
     while views:
         sent = sock.sendmsg(views[:512])
         total += sent

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -77,6 +78,7 @@ class Runtime:
             connect_timeout = float(os.environ.get("GPUWIRE_CONNECT_TIMEOUT", "10"))
         self.address = address
         self.host, self.port = parse_address(address)
+        self.tls = False
         self.sync_every_op = os.environ.get("GPUWIRE_SYNC", "") not in ("", "0")
         self.lock = threading.RLock()
         self.seq = 0
@@ -103,8 +105,22 @@ class Runtime:
     # ------------------------------------------------------------ connection
 
     def _connect(self, timeout: float) -> socket.socket:
+        from ..security.tls import TLSConfigError, client_context_from_env
+        try:
+            tls = client_context_from_env()
+        except TLSConfigError as exc:
+            raise NodeUnreachable(str(exc)) from None
         try:
             sock = socket.create_connection((self.host, self.port), timeout=timeout)
+            if tls is not None:
+                sock = tls.wrap_socket(sock, server_hostname=self.host)
+                self.tls = True
+        except ssl.SSLCertVerificationError as exc:
+            raise NodeUnreachable(f"the TLS certificate of {self.address} is not trusted: {exc.verify_message}; "
+                                  "check GPUWIRE_TLS_CA names the CA that signed the node's certificate") from None
+        except ssl.SSLError as exc:
+            raise NodeUnreachable(f"TLS with {self.address} failed: {exc.reason or exc}; is the node serving TLS, "
+                                  "and does it require a client certificate (GPUWIRE_TLS_CERT/KEY)?") from None
         except socket.timeout:
             raise NodeUnreachable(f"no gpuwire node answered at {self.address} within {timeout:g} s; "
                                   "check the address (GPUWIRE_NODE) and that `gpuwire serve` runs there") from None
@@ -132,7 +148,8 @@ class Runtime:
             self._sock.close()
             if isinstance(exc, VersionMismatch):
                 raise NodeUnreachable(str(exc)) from None
-            raise NodeUnreachable(f"{self.address} is not a gpuwire node (or speaks another protocol): {exc}") from None
+            hint = "" if self.tls else " (if the node serves TLS, set GPUWIRE_TLS_CA)"
+            raise NodeUnreachable(f"{self.address} is not a gpuwire node (or speaks another protocol){hint}: {exc}") from None
         if isinstance(event, Reject):
             self._sock.close()
             raise NodeUnreachable(f"node {self.address} refused the session: {event.reason}")

@@ -10,6 +10,7 @@ A session's failure (bad input, protocol error, dropped client) ends only that s
 from __future__ import annotations
 
 import hmac
+import ssl
 import logging
 import socket
 import threading
@@ -34,7 +35,7 @@ class NodeServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 7070, *, backend: Backend | None = None,
                  token: str | None = None, limits: Limits | None = None, max_sessions: int = 64,
                  handshake_timeout: float = 10.0, idle_timeout: float | None = None,
-                 session_memory: int | None = None):
+                 session_memory: int | None = None, tls=None):
         self.host = host
         self.port = port
         self.backend = backend or Backend.select("auto")
@@ -44,6 +45,7 @@ class NodeServer:
         self.handshake_timeout = handshake_timeout
         self.idle_timeout = idle_timeout
         self.session_memory = session_memory
+        self.tls = tls  # ssl.SSLContext for the data plane, or None (plain TCP)
         self.rng = RngOwner(self.backend)
         self.scheduler = FairScheduler()
         self.quantum = 0.005  # seconds of device time a session runs before the scheduler may switch
@@ -130,6 +132,12 @@ class NodeServer:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self.handshake_timeout)
+            if self.tls is not None:
+                try:
+                    sock = self.tls.wrap_socket(sock, server_side=True)
+                except (ssl.SSLError, OSError) as exc:
+                    log.warning("TLS handshake with %s failed: %s", peer, exc)
+                    return
             hello = self._read_hello(sock, conn)
             if hello is None:
                 return

@@ -1,0 +1,2 @@
+"""Transport security: certificates (``gpuwire certs init``) and TLS contexts for nodes,
+pools and clients."""
