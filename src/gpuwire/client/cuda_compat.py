@@ -393,6 +393,25 @@ def _patch_distributed() -> None:
     dist.init_process_group = init_process_group
 
 
+def _patch_data_parallel() -> None:
+    """``nn.DataParallel`` over the one gpuwire device: scattering uses CUDA-only C++ kernels,
+    so it runs the module directly (after moving host inputs to the device, as scatter would)."""
+    from torch.nn.parallel import DataParallel
+    from torch.utils._pytree import tree_map
+    original_forward = DataParallel.forward
+
+    def to_device(value):
+        return value.to(GPUWIRE) if isinstance(value, torch.Tensor) and value.is_cpu else value
+
+    @functools.wraps(original_forward)
+    def forward(self, *inputs, **kwargs):
+        if len(self.device_ids) <= 1:
+            return self.module(*tree_map(to_device, inputs), **tree_map(to_device, kwargs))
+        return original_forward(self, *inputs, **kwargs)
+
+    DataParallel.forward = forward
+
+
 def enable() -> None:
     """Turn on CUDA compatibility in this process (idempotent)."""
     global _enabled, _mode, GPUWIRE
@@ -409,6 +428,7 @@ def enable() -> None:
     _patch_serialization()
     _patch_default_device()
     _patch_compile()
+    _patch_data_parallel()
     _patch_distributed()
     _mode = CudaToGpuwire()
     _mode.__enter__()  # stays on this thread's mode stack for the life of the program
