@@ -44,3 +44,20 @@ def test_busy_sessions_split_device_time_by_share(fresh_node):
     assert total > 1.0
     small = by_share[0.25] / total
     assert abs(small - 0.25) <= 0.10 * 0.25 + 0.025, by_share  # within ±10% of the 25% share (2.5 points slack)
+
+
+def test_an_idle_share_is_lent_to_a_busy_session(fresh_node):
+    """Alone on the device, a session with a 0.25 share is not throttled to 25%."""
+    proc = subprocess.Popen([sys.executable, "-c", LOAD, fresh_node.address, "4"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "GPUWIRE_SHARE": "0.25", "OMP_NUM_THREADS": "1"})
+    try:
+        assert proc.stdout.readline().startswith("ready")
+        fetch(fresh_node.address, None)  # start the utilization window
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        time.sleep(3)
+        info, _ = fetch(fresh_node.address, None)
+    finally:
+        proc.kill()
+    assert info["utilization"] > 60, info
