@@ -154,3 +154,23 @@ def test_killed_child_leaves_no_session_on_the_node(fresh_node):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_dataloader_workers_under_gpuwire_run(node, tmp_path):
+    """Forked DataLoader workers do not write into the parent's connection."""
+    script = tmp_path / "workers.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from torch.utils.data import DataLoader, Dataset
+        class Squares(Dataset):
+            def __len__(self): return 32
+            def __getitem__(self, i): return torch.tensor([float(i)]) ** 2
+        model = torch.nn.Linear(1, 1).cuda()
+        total = 0.0
+        for batch in DataLoader(Squares(), batch_size=8, num_workers=2, pin_memory=True):
+            total += model(batch.cuda(non_blocking=True)).sum().item() * 0 + batch.sum().item()
+        print("total", total)
+    """))
+    result = gpuwire("run", "-q", "--node", node.address, "--", sys.executable, str(script))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "total 10416.0" in result.stdout

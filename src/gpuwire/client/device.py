@@ -28,6 +28,7 @@ import torch
 from torch._C import DispatchKey, DispatchKeySet
 
 from . import wire
+from .errors import ConnectionLost
 from .runtime import Runtime
 from .wire import CODE_DTYPE, DTYPE_CODE
 
@@ -68,6 +69,20 @@ def _connect_default() -> Runtime:
             address, token = start_embedded_node()
         _set_runtime(Runtime(address, token=token))
         return _runtime
+
+
+def _forget_runtime_in_child() -> None:
+    """After fork (DataLoader workers, multiprocessing) the child must not write into the
+    parent's connection: it drops it and connects a session of its own if it uses the device."""
+    global _runtime
+    rt = _runtime
+    if rt is not None:
+        rt._queue = []
+        rt._dead = ConnectionLost("this process was forked from the one that owned the gpuwire connection")
+        _runtime = None
+
+
+os.register_at_fork(after_in_child=_forget_runtime_in_child)
 
 
 def _set_runtime(rt: Runtime) -> None:
