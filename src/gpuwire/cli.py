@@ -36,7 +36,18 @@ def serve(
                                                             "(default: the whole device)."),
     idle_timeout: Optional[float] = typer.Option(None, help="Drop a session idle for this many seconds."),
     threads: Optional[int] = typer.Option(None, help="Intra-op CPU threads for the CPU backend (default: torch's)."),
+    tls_cert: Optional[str] = typer.Option(None, help="Serve TLS with this certificate (see `gpuwire certs init`)."),
+    tls_key: Optional[str] = typer.Option(None, help="Private key of --tls-cert."),
+    tls_client_ca: Optional[str] = typer.Option(None, help="Require client certificates signed by this CA (mutual TLS)."),
+    insecure: bool = typer.Option(False, help="Allow plain TCP on a non-loopback address (not recommended)."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
+    pool: Optional[str] = typer.Option(None, help="Register with the pool at this URL and heartbeat to it "
+                                                  "(API key: GPUWIRE_API_KEY, a node or admin key)."),
+    node_id: Optional[str] = typer.Option(None, help="This node's id in the pool (default: HOSTNAME-PORT)."),
+    advertise: Optional[str] = typer.Option(None, help="HOST:PORT clients reach this node at (default: the "
+                                                       "listen address)."),
+    pool_memory: Optional[str] = typer.Option(None, help="GPU memory offered to the pool, e.g. 8GiB "
+                                                         "(default: all of it)."),
     exit_with_stdin: bool = typer.Option(False, "--exit-with-stdin", hidden=True,
                                          help="Exit when stdin closes (used by the embedded node)."),
 ):
@@ -55,13 +66,29 @@ def serve(
         typer.echo(f"gpuwire serve: {exc}", err=True)
         raise typer.Exit(2)
     token = token or os.environ.get("GPUWIRE_NODE_TOKEN") or None
+    from .security.tls import TLSConfigError, is_loopback, server_context
+    tls = None
+    if tls_cert or tls_key:
+        try:
+            tls = server_context(tls_cert, tls_key, tls_client_ca)
+        except TLSConfigError as exc:
+            typer.echo(f"gpuwire serve: {exc}", err=True)
+            raise typer.Exit(2)
+    elif not is_loopback(host):
+        if not insecure:
+            typer.echo(f"gpuwire serve: refusing to serve plain TCP on {host}, which other machines can reach; "
+                       "pass --tls-cert/--tls-key (make them with `gpuwire certs init --hosts HOSTNAME`), "
+                       "or --insecure to accept the risk", err=True)
+            raise typer.Exit(2)
+        logging.getLogger("gpuwire.node").warning(
+            "serving plain TCP on %s with --insecure: anyone on the network can read and inject tensors", host)
     try:
         budget = parse_size(session_memory) if session_memory else None
     except ValueError as exc:
         typer.echo(f"gpuwire serve: {exc}", err=True)
         raise typer.Exit(2)
     server = NodeServer(host, port, backend=chosen, token=token, max_sessions=max_sessions, idle_timeout=idle_timeout,
-                        session_memory=budget)
+                        session_memory=budget, tls=tls)
     try:
         bound_host, bound_port = server.bind()
     except OSError as exc:
@@ -69,17 +96,32 @@ def serve(
         raise typer.Exit(2)
     info = chosen.describe()
     label = "software GPU" if info["software"] else "GPU"
+    label += ", TLS" if tls else ""
     shown_host = f"[{bound_host}]" if ":" in bound_host else bound_host
     print(f"gpuwire node listening on {shown_host}:{bound_port} (backend {chosen.kind}, {label}: {info['name']})",
           flush=True)
     if exit_with_stdin:
         threading.Thread(target=_exit_when_stdin_closes, daemon=True).start()
-    signal.signal(signal.SIGTERM, lambda *_: (server.close(), os._exit(0)))
+    agent = None
+    if pool:  # register with the pool and heartbeat (src/gpuwire/pool/agent.py)
+        from .pool.agent import AgentError, start_agent
+        from .pool.sizes import parse_size as parse_pool_size
+        try:
+            agent = start_agent(pool, backend_info=info, host=bound_host, port=bound_port, node_id=node_id,
+                                advertise=advertise, memory=parse_pool_size(pool_memory) if pool_memory else None,
+                                max_sessions=max_sessions, server=server)
+        except (AgentError, ValueError) as exc:
+            typer.echo(f"gpuwire serve: {exc}", err=True)
+            server.close()
+            raise typer.Exit(2)
+    signal.signal(signal.SIGTERM, lambda *_: (agent and agent.stop(), server.close(), os._exit(0)))
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
+        if agent is not None:
+            agent.stop()
         server.close()
 
 
@@ -141,13 +183,43 @@ def smi(
     token: Optional[str] = typer.Option(None, help="Token the node requires (default: GPUWIRE_TOKEN)."),
     json_output: bool = typer.Option(False, "--json", help="Print everything the node reports, as JSON."),
     nvidia_smi: bool = typer.Option(False, "--nvidia-smi", hidden=True),
+    pool: Optional[str] = typer.Option(None, help="Show a pool instead (URL): every node, GPU, lease, tenant and "
+                                                  "the free capacity (API key: GPUWIRE_API_KEY)."),
 ):
     """Show a node's GPU, memory, utilization and sessions (nvidia-smi style).
 
     Also understands nvidia-smi's -L and --query-gpu=name,memory.total,memory.used --format=csv[,noheader][,nounits].
     """
+    if pool:
+        from .pool.cli import smi_pool
+        raise typer.Exit(smi_pool(pool, None, as_json=json_output))
     from . import smi as smi_module
     raise typer.Exit(smi_module.main(list(ctx.args), node, token, as_json=json_output))
+
+
+certs_app = typer.Typer(help="Certificates for TLS between clients, nodes and the pool.", no_args_is_help=True)
+app.add_typer(certs_app, name="certs")
+
+
+@certs_app.command("init")
+def certs_init(
+    directory: Optional[str] = typer.Option(None, "--dir", help="Where to write them (default ~/.config/gpuwire/certs)."),
+    hosts: str = typer.Option("127.0.0.1,::1,localhost", help="Comma-separated names/addresses the node and pool "
+                                                              "certificates are valid for."),
+    force: bool = typer.Option(False, help="Replace an existing set."),
+):
+    """Create a private CA plus node, pool and client certificates signed by it."""
+    from .security.tls import DEFAULT_DIR, TLSConfigError, init_certs
+    try:
+        paths = init_certs(directory or DEFAULT_DIR, [h.strip() for h in hosts.split(",") if h.strip()], force=force)
+    except TLSConfigError as exc:
+        typer.echo(f"gpuwire certs init: {exc}", err=True)
+        raise typer.Exit(2)
+    typer.echo(f"wrote a CA and node/pool/client certificates to {os.path.dirname(paths['ca'])}")
+    typer.echo(f"  node:   gpuwire serve --host 0.0.0.0 --tls-cert {paths['node']} --tls-key {paths['node_key']}")
+    typer.echo(f"  client: export GPUWIRE_TLS_CA={paths['ca']}")
+    typer.echo(f"  mutual TLS: add --tls-client-ca {paths['ca']} to serve, and export "
+               f"GPUWIRE_TLS_CERT={paths['client']} GPUWIRE_TLS_KEY={paths['client_key']}")
 
 
 @app.command()
@@ -157,6 +229,11 @@ def version():
 
     from .protocol import PROTOCOL_VERSION
     print(f"gpuwire {__version__} (protocol v{PROTOCOL_VERSION}, torch {torch.__version__})")
+
+
+from .pool.cli import register as _register_pool_commands  # noqa: E402 - pool, tenant, key, ls, demo
+
+_register_pool_commands(app)
 
 
 def main() -> None:

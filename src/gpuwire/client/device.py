@@ -698,7 +698,10 @@ def download(src: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tenso
         if not _plain(src):
             src = aten.clone.default(src, memory_format=torch.contiguous_format)
         nbytes = src.numel() * src.element_size()
-        target = memoryview(host.reshape(-1).view(torch.uint8).numpy()) if nbytes else None
+        # as_strided, not reshape(-1): a contiguous tensor may keep any stride on a size-1 dim
+        # (a one-element diagonal, an expand), and view(uint8) needs stride 1
+        flat = host.as_strided((host.numel(),), (1,))
+        target = memoryview(flat.view(torch.uint8).numpy()) if nbytes else None
         rt.read(storage_id_of(src), src.storage_offset() * src.element_size(), nbytes, into=target)
     return host
 

@@ -144,7 +144,7 @@ class Runtime:
             self._sock.close()
             raise NodeUnreachable(f"{self.address} accepted the connection but did not answer the gpuwire "
                                   f"handshake within {timeout:g} s; is it a gpuwire node?") from None
-        except (ProtocolError, ConnectionLost) as exc:
+        except (ProtocolError, ConnectionLost, OSError) as exc:
             self._sock.close()
             if isinstance(exc, VersionMismatch):
                 raise NodeUnreachable(str(exc)) from None

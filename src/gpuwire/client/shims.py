@@ -61,6 +61,17 @@ def _swapping(method, target_of):
         _local.swap = True
         try:
             return method(self, *args, **kwargs)
+        except RuntimeError as exc:
+            if "Couldn't swap" not in str(exc):
+                raise
+            # a live autograd graph (e.g. from a forward pass on CPU) still holds a parameter;
+            # fall back to PyTorch's default of new Parameter objects (tied weights get untied)
+            import warnings
+            warnings.warn(f"gpuwire: {exc}; moving with new Parameter objects instead, which unties shared "
+                          "weights (drop references to earlier outputs before moving the module to keep them tied)",
+                          stacklevel=2)
+            _local.swap = False
+            return method(self, *args, **kwargs)
         finally:
             _local.swap = False
     return wrapper
