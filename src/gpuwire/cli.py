@@ -40,6 +40,8 @@ def serve(
     tls_key: Optional[str] = typer.Option(None, help="Private key of --tls-cert."),
     tls_client_ca: Optional[str] = typer.Option(None, help="Require client certificates signed by this CA (mutual TLS)."),
     insecure: bool = typer.Option(False, help="Allow plain TCP on a non-loopback address (not recommended)."),
+    lease_grace: float = typer.Option(30.0, help="With --pool: seconds a session outlives its lease token's expiry "
+                                                 "(renewals pause while the pool restarts)."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
     pool: Optional[str] = typer.Option(None, help="Register with the pool at this URL and heartbeat to it "
                                                   "(API key: GPUWIRE_API_KEY, a node or admin key)."),
@@ -110,6 +112,8 @@ def serve(
             agent = start_agent(pool, backend_info=info, host=bound_host, port=bound_port, node_id=node_id,
                                 advertise=advertise, memory=parse_pool_size(pool_memory) if pool_memory else None,
                                 max_sessions=max_sessions, server=server)
+            server.token_verifier = agent.token_verifier()  # sessions now need a lease token
+            server.lease_grace = lease_grace
         except (AgentError, ValueError) as exc:
             typer.echo(f"gpuwire serve: {exc}", err=True)
             server.close()
@@ -161,6 +165,12 @@ def run(
     cuda_compat: bool = typer.Option(True, "--cuda-compat/--no-cuda-compat",
                                      help="Make 'cuda' mean the gpuwire device (torch.cuda.*, .cuda(), autocast)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not print where the GPU is."),
+    pool: Optional[str] = typer.Option(None, envvar="GPUWIRE_POOL",
+                                       help="Get the GPU from this pool (URL; API key: GPUWIRE_API_KEY)."),
+    gpus: int = typer.Option(1, help="With --pool: GPUs to lease."),
+    memory: Optional[str] = typer.Option(None, help="With --pool: memory budget, e.g. 4GiB (default: whole GPU)."),
+    share: float = typer.Option(1.0, help="With --pool: compute share of the GPU, 0 < share <= 1."),
+    wait: float = typer.Option(600.0, help="With --pool: seconds to wait in the queue when nothing is free."),
 ):
     """Run COMMAND with its GPU work on a gpuwire node.
 
@@ -173,7 +183,11 @@ def run(
       gpuwire run -- nvidia-smi
     """
     from .launcher import run as run_command
-    raise typer.Exit(run_command(list(ctx.args), node=node, token=token, cuda_compat=cuda_compat, quiet=quiet))
+    request = {"gpus": gpus, "share": share, "wait": wait}
+    if memory:
+        request["memory"] = memory
+    raise typer.Exit(run_command(list(ctx.args), node=node, token=token, cuda_compat=cuda_compat, quiet=quiet,
+                                 pool=pool, lease_request=request))
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 
 BOOT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_boot")
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -35,7 +36,62 @@ def _nvidia_smi_dir() -> str:
     return folder
 
 
-def run(argv: list[str], *, node: str | None, token: str | None, cuda_compat: bool, quiet: bool = False) -> int:
+def _lease_from_pool(pool: str, request: dict, quiet: bool):
+    """Ask the pool for a lease (waiting in its queue, saying where we are); keep it renewed and
+    mirror each fresh token into a file the program's client re-reads."""
+    from .pool.client import PoolClient, PoolError
+
+    client = PoolClient(pool)
+    positions = []
+
+    def on_position(position: int, data: dict) -> None:
+        positions.append(position)
+        if not quiet:
+            _say(f"waiting for a GPU: {data.get('position_text') or position} in queue")
+
+    try:
+        lease = client.request_lease(on_position=on_position, **request)
+    except PoolError as exc:
+        raise LaunchError(f"the pool refused the lease: {exc}") from None
+    if request.get("gpus", 1) > 1 and not quiet:
+        _say(f"lease {lease.id} has {request['gpus']} GPUs; this program uses the first (one device per session)")
+    token_dir = tempfile.mkdtemp(prefix="gpuwire-lease-")
+    token_file = os.path.join(token_dir, "token")
+
+    def write_token(token: str) -> None:
+        temporary = token_file + ".tmp"
+        with open(temporary, "w") as f:
+            f.write(token)
+        os.replace(temporary, token_file)
+
+    write_token(lease.token)
+    lease.keep_alive(on_lost=lambda _lease, why: _say(f"lease lost: {why}"))
+    stop = threading.Event()
+
+    def mirror_tokens() -> None:
+        last = lease.token
+        while not stop.wait(0.5):
+            if lease.token and lease.token != last:
+                last = lease.token
+                write_token(last)
+
+    threading.Thread(target=mirror_tokens, daemon=True, name="gpuwire-token-mirror").start()
+
+    def release() -> None:
+        stop.set()
+        try:
+            lease.release()
+        finally:
+            shutil.rmtree(token_dir, ignore_errors=True)
+    return lease, token_file, release
+
+
+class LaunchError(Exception):
+    pass
+
+
+def run(argv: list[str], *, node: str | None, token: str | None, cuda_compat: bool, quiet: bool = False,
+        pool: str | None = None, lease_request: dict | None = None) -> int:
     if not argv:
         print("gpuwire run: no command given; usage: gpuwire run [OPTIONS] -- COMMAND [ARGS...]", file=sys.stderr)
         return 2
@@ -45,6 +101,18 @@ def run(argv: list[str], *, node: str | None, token: str | None, cuda_compat: bo
     node = node or os.environ.get("GPUWIRE_NODE") or None
     token = token or os.environ.get("GPUWIRE_TOKEN") or None
     embedded = None
+    release_lease = None
+    token_file = None
+    if pool and not node:
+        try:
+            lease, token_file, release_lease = _lease_from_pool(pool, lease_request or {}, quiet)
+        except (LaunchError, Exception) as exc:  # noqa: BLE001 - one clear line, never a traceback
+            print(f"gpuwire run: {exc}", file=sys.stderr)
+            return 2
+        node, token = lease.address, lease.token
+        if not quiet:
+            _say(f"lease {lease.id}: {lease.memory} bytes, share {lease.share} of GPU {lease.device} on node "
+                 f"{lease.node_id}")
     if node is None:
         from .client import embedded as embedded_module
         try:
@@ -61,6 +129,8 @@ def run(argv: list[str], *, node: str | None, token: str | None, cuda_compat: bo
         print(f"gpuwire run: {exc}", file=sys.stderr)
         if embedded:
             embedded.stop_embedded_node()
+        if release_lease:
+            release_lease()
         return 2
     if not quiet:
         name = info.get("name", "?")
@@ -74,6 +144,8 @@ def run(argv: list[str], *, node: str | None, token: str | None, cuda_compat: bo
     env.update(GPUWIRE_NODE=node, GPUWIRE_RUN="1", GPUWIRE_CUDA_COMPAT="1" if cuda_compat else "0")
     if token:
         env["GPUWIRE_TOKEN"] = token
+    if token_file:
+        env["GPUWIRE_TOKEN_FILE"] = token_file
     env["PYTHONPATH"] = BOOT_DIR + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
     try:
@@ -98,3 +170,5 @@ def run(argv: list[str], *, node: str | None, token: str | None, cuda_compat: bo
         shutil.rmtree(bin_dir, ignore_errors=True)
         if embedded:
             embedded.stop_embedded_node()
+        if release_lease:
+            release_lease()

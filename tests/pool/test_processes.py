@@ -74,15 +74,17 @@ def test_nodes_register_their_gpu_and_heartbeat(admin, nodes):
         assert node["usage"] == {"sessions": 0, "bytes_in_use": 0}
 
 
-def test_heartbeats_report_sessions(admin, nodes):
+def test_heartbeats_report_sessions(admin, nodes, make_tenant):
     from gpuwire.client.runtime import Runtime
-    proc = nodes["node-a"]
-    rt = Runtime(proc.address)
+    lease = make_tenant().request_lease(share=0.1, memory=GIB // 16)
+    rt = Runtime(lease.address, token=lease.token)  # pool-mode nodes admit lease holders only
     try:
-        wait_until(lambda: admin.node("node-a")["usage"].get("sessions") == 1, what="the session in a heartbeat")
+        node = lease.node_id
+        wait_until(lambda: admin.node(node)["usage"].get("sessions") == 1, what="the session in a heartbeat")
     finally:
         rt.close()
-    wait_until(lambda: admin.node("node-a")["usage"].get("sessions") == 0, what="the session to go")
+        lease.release()
+    wait_until(lambda: admin.node(node)["usage"].get("sessions") == 0, what="the session to go")
 
 
 def test_node_killed_is_declared_dead_and_its_leases_fail(folder, pool_proc, admin, node_key, make_tenant):

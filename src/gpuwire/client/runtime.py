@@ -95,6 +95,9 @@ class Runtime:
         self.memory_budget: int | None = None
         self._allocs_since_scan = 0
         self._dead: BaseException | None = None
+        self._token_file = os.environ.get("GPUWIRE_TOKEN_FILE") or None
+        self._token_checked = 0.0
+        self._token_mtime = None
         self._sock = self._connect(connect_timeout)
         self._sock.settimeout(reply_timeout)
         self._last_alloc = None  # (storage id, nbytes, queued frame) of the latest Alloc
@@ -227,6 +230,8 @@ class Runtime:
             if event is not NEED_DATA:
                 if event is CLOSED:
                     raise self._lost(ConnectionError("the node closed the connection"))
+                if type(event) is Goodbye:
+                    raise self._lost(ConnectionError(f"the node ended the session: {event.reason}"))
                 return event
             try:
                 received = self._sock.recv_into(conn.get_buffer(1 << 20))
@@ -242,10 +247,31 @@ class Runtime:
                 return event
             self.bytes_received += received
 
+    def _refresh_lease_token(self) -> None:
+        """Under ``gpuwire run --pool`` the launcher renews the lease and writes the fresh token
+        to GPUWIRE_TOKEN_FILE; hand it to the node (at a sync point, at most every 2 s)."""
+        now = time.monotonic()
+        if self._token_file is None or now < self._token_checked + 2.0:
+            return
+        self._token_checked = now
+        try:
+            mtime = os.stat(self._token_file).st_mtime
+            if mtime == self._token_mtime:
+                return
+            with open(self._token_file) as f:
+                token = f.read().strip()
+        except OSError:
+            return
+        self._token_mtime = mtime
+        if token:
+            self.request(Query(seq=self.next_seq(), what="lease-token:" + token))
+
     def request(self, event):
         """Send a command that has a reply; wait for it. Raises RemoteError for a failure of
         this command or of any streamed command before it."""
         self._check_alive()
+        if self._token_file is not None and type(event) is not Query:
+            self._refresh_lease_token()
         self._queue.append(self.conn.send(event))
         self._flush()
         self.round_trips += 1

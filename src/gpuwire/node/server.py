@@ -46,6 +46,11 @@ class NodeServer:
         self.idle_timeout = idle_timeout
         self.session_memory = session_memory
         self.tls = tls  # ssl.SSLContext for the data plane, or None (plain TCP)
+        self.token_verifier = None  # pool mode: verify(token) -> lease claims (gpuwire.pool.agent)
+        # a session outlives its token's expiry by this much: a pool restart pauses renewals,
+        # and running jobs must not notice
+        self.lease_grace = 30.0
+        self._sockets: dict[str, socket.socket] = {}
         self.rng = RngOwner(self.backend)
         self.scheduler = FairScheduler()
         self.quantum = 0.005  # seconds of device time a session runs before the scheduler may switch
@@ -73,6 +78,7 @@ class NodeServer:
     def serve_forever(self) -> None:
         if self._listener is None:
             self.bind()
+        self._start_reaper()
         listener = self._listener
         while not self._closing.is_set():
             try:
@@ -92,6 +98,11 @@ class NodeServer:
         thread = threading.Thread(target=self.serve_forever, daemon=True, name="gpuwire-accept")
         thread.start()
         return thread
+
+    def _start_reaper(self) -> None:
+        if not getattr(self, "_reaper_started", False):
+            self._reaper_started = True
+            threading.Thread(target=self._reap_expired_leases, daemon=True, name="gpuwire-lease-reaper").start()
 
     def close(self) -> None:
         self._closing.set()
@@ -126,6 +137,7 @@ class NodeServer:
         session = Session(self.backend, self.rng, self.ops, peer=peer)
         session.node_info = self.node_info
         session.memory_budget = self.session_memory
+        session.token_verifier = self.token_verifier
         conn = Connection(Role.SERVER, limits=self.limits, ext_hook=session.ext_hook,
                           payload_sink=session.payload_sink)
         registered = False
@@ -141,13 +153,14 @@ class NodeServer:
             hello = self._read_hello(sock, conn)
             if hello is None:
                 return
-            refusal = self._refusal(hello)
+            refusal = self._refusal(hello) or self._admit_lease(hello, session)
             if refusal is None:
                 with self._lock:
                     if len(self.sessions) >= self.max_sessions:
                         refusal = f"node is full ({self.max_sessions} sessions); try again later or use another node"
                     else:
                         self.sessions[session.id] = session
+                        self._sockets[session.id] = sock
                         registered = True
             if refusal is not None:
                 log.warning("refused session from %s: %s", peer, refusal)
@@ -161,7 +174,7 @@ class NodeServer:
             session.client_pid = pid if isinstance(pid, int) else 0
             session.client_version = hello.client_version
             share = hello.options.get("share") if isinstance(hello.options, dict) else None
-            if isinstance(share, (int, float)) and 0 < share <= 1:
+            if session.lease_id is None and isinstance(share, (int, float)) and 0 < share <= 1:
                 session.share = float(share)  # standalone nodes trust the client; pool leases set it
             log.info("session %s opened from %s (client %s)", session.id, peer, hello.client_version)
             sock.settimeout(self.idle_timeout)
@@ -176,6 +189,7 @@ class NodeServer:
             if registered:
                 with self._lock:
                     self.sessions.pop(session.id, None)
+                    self._sockets.pop(session.id, None)
                 log.info("session %s closed: freed %d bytes in %d storages after %d ops", session.id,
                          session.bytes_in_use, len(session.storages), session.ops_run)
             session.close()
@@ -195,6 +209,40 @@ class NodeServer:
             if event is CLOSED:
                 return None
             return event
+
+    def _admit_lease(self, hello: Hello, session: Session) -> str | None:
+        """In pool mode a session needs a valid lease token; its claims set the session's memory
+        budget and compute share, and its expiry ends the session (unless refreshed)."""
+        if self.token_verifier is None:
+            return None
+        try:
+            claims = self.token_verifier(hello.token or "")
+        except Exception as exc:  # noqa: BLE001 - TokenError and friends: the reason goes to the client
+            return f"lease token refused: {exc}"
+        if int(claims.get("device", -1)) != (self.backend.device.index or 0):
+            return f"lease token is for device {claims.get('device')}, this node serves device {self.backend.device.index or 0}"
+        memory = int(claims.get("memory") or 0)
+        total = int(self.backend.describe().get("total_memory") or 0)
+        if total and memory > total:
+            return f"lease token claims {memory} bytes, more than this device has ({total})"
+        session.apply_lease(claims)
+        return None
+
+    def _reap_expired_leases(self) -> None:
+        """Ends sessions whose lease expired (frees their memory), once a second."""
+        while not self._closing.wait(1.0):
+            now = time.time()
+            with self._lock:
+                expired = [(s, self._sockets.get(s.id)) for s in self.sessions.values()
+                           if s.lease_expiry is not None and now > s.lease_expiry + self.lease_grace]
+            for session, sock in expired:
+                log.warning("session %s: lease %s expired; ending the session", session.id, session.lease_id)
+                session.ended_reason = f"lease {session.lease_id} expired"
+                if sock is not None:
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
 
     def _refusal(self, hello: Hello) -> str | None:
         try:

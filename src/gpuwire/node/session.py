@@ -93,6 +93,10 @@ class Session:
         self.peak_bytes = 0
         self.memory_budget: int | None = None  # bytes; None: the whole device
         self.share = 1.0  # compute share (0, 1]: weight in the device's fair scheduler
+        self.lease_id: str | None = None  # pool mode: the lease this session runs under
+        self.lease_expiry: float | None = None  # unix time; the node ends the session after it
+        self.token_verifier = None
+        self.ended_reason: str | None = None
         self.vtime = 0.0
         self.device_seconds = 0.0
         self.rng_state: torch.Tensor | None = None
@@ -214,6 +218,12 @@ class Session:
         return t
 
     # ------------------------------------------------------------ storage table
+
+    def apply_lease(self, claims: dict) -> None:
+        self.lease_id = str(claims.get("lease"))
+        self.memory_budget = int(claims["memory"]) if claims.get("memory") else self.memory_budget
+        self.share = float(claims.get("share") or 1.0)
+        self.lease_expiry = float(claims["exp"]) if claims.get("exp") else None
 
     def check_budget(self, nbytes: int) -> None:
         """Refuse an allocation past the session's memory budget, before allocating."""
@@ -489,6 +499,12 @@ class Session:
             return None
         if what == "node" and self.node_info is not None:
             return self.node_info()
+        if what.startswith("lease-token:") and self.lease_id is not None:
+            claims = self.token_verifier(what[len("lease-token:"):])
+            if claims.get("lease") != self.lease_id:
+                raise SessionError("a refreshed token must be for the same lease")
+            self.lease_expiry = float(claims["exp"])
+            return {"expires": self.lease_expiry}
         raise SessionError(f"unknown query {what!r}")
 
 
