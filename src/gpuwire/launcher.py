@@ -111,8 +111,8 @@ def run(argv: list[str], *, node: str | None, token: str | None, cuda_compat: bo
             return 2
         node, token = lease.address, lease.token
         if not quiet:
-            _say(f"lease {lease.id}: {lease.memory} bytes, share {lease.share} of GPU {lease.device} on node "
-                 f"{lease.node_id}")
+            _say(f"lease {lease.id}: {lease.memory / (1 << 30):.3g} GiB, share {lease.share} of GPU {lease.device} "
+                 f"on node {lease.node_id}")
     if node is None:
         from .client import embedded as embedded_module
         try:
