@@ -20,6 +20,8 @@ import socket
 import threading
 import time
 
+from gpuwire._process import exit_when_stdin_closes
+
 CHUNK = 256 << 10
 MAX_QUEUED = 1024
 
@@ -112,16 +114,6 @@ def _hostport(text: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def _exit_when_stdin_closes() -> None:
-    import os
-    import sys
-    try:
-        while sys.stdin.read(1 << 16):
-            pass
-    finally:
-        os._exit(0)
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True, help="HOST:PORT to forward to")
@@ -130,7 +122,7 @@ def main(argv=None) -> None:
     parser.add_argument("--exit-with-stdin", action="store_true", help="exit when stdin closes (parent gone)")
     args = parser.parse_args(argv)
     if args.exit_with_stdin:
-        threading.Thread(target=_exit_when_stdin_closes, daemon=True).start()
+        threading.Thread(target=exit_when_stdin_closes, daemon=True).start()
     proxy = DelayProxy(_hostport(args.target), args.delay_ms, _hostport(args.listen))
     host, port = proxy.address
     print(f"delay proxy listening on {host}:{port} -> {args.target} (one-way {args.delay_ms:g} ms)", flush=True)

@@ -15,7 +15,9 @@ from typing import Optional
 
 import typer
 
+from ._process import exit_when_stdin_closes
 from ._version import __version__
+from .pool.sizes import parse_size
 
 app = typer.Typer(
     help="gpuwire: network-attached GPUs for PyTorch.\n\n"
@@ -86,6 +88,8 @@ def serve(
             "serving plain TCP on %s with --insecure: anyone on the network can read and inject tensors", host)
     try:
         budget = parse_size(session_memory) if session_memory else None
+        if budget == 0:
+            raise ValueError("--session-memory must be positive")
     except ValueError as exc:
         typer.echo(f"gpuwire serve: {exc}", err=True)
         raise typer.Exit(2)
@@ -103,14 +107,13 @@ def serve(
     print(f"gpuwire node listening on {shown_host}:{bound_port} (backend {chosen.kind}, {label}: {info['name']})",
           flush=True)
     if exit_with_stdin:
-        threading.Thread(target=_exit_when_stdin_closes, daemon=True).start()
+        threading.Thread(target=exit_when_stdin_closes, daemon=True).start()
     agent = None
     if pool:  # register with the pool and heartbeat (src/gpuwire/pool/agent.py)
         from .pool.agent import AgentError, start_agent
-        from .pool.sizes import parse_size as parse_pool_size
         try:
             agent = start_agent(pool, backend_info=info, host=bound_host, port=bound_port, node_id=node_id,
-                                advertise=advertise, memory=parse_pool_size(pool_memory) if pool_memory else None,
+                                advertise=advertise, memory=parse_size(pool_memory) if pool_memory else None,
                                 max_sessions=max_sessions, server=server)
             server.token_verifier = agent.token_verifier()  # sessions now need a lease token
             server.lease_grace = lease_grace
@@ -127,32 +130,6 @@ def serve(
         if agent is not None:
             agent.stop()
         server.close()
-
-
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
-               "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """'4GiB', '512MB', '1.5G', '1024' -> bytes."""
-    import re
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-    unit = match.group(2).upper() if match else None
-    if not match or unit not in _SIZE_UNITS:
-        raise ValueError(f"cannot read {text!r} as a size; write e.g. 4GiB, 512MiB or 1000000")
-    value = int(float(match.group(1)) * _SIZE_UNITS[unit])
-    if value <= 0:
-        raise ValueError(f"size {text!r} must be positive")
-    return value
-
-
-def _exit_when_stdin_closes() -> None:
-    try:
-        while sys.stdin.read(1 << 16):
-            pass
-    finally:
-        os._exit(0)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,

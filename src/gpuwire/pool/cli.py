@@ -16,6 +16,7 @@ from typing import Optional
 
 import typer
 
+from .._process import exit_when_stdin_closes
 from .sizes import format_size, parse_size
 
 POOL_OPTION = typer.Option(None, "--pool", envvar="GPUWIRE_POOL", help="Pool URL, e.g. http://pool:7000 "
@@ -107,20 +108,11 @@ def pool_command(
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if exit_with_stdin:
         import threading
-        threading.Thread(target=_exit_when_stdin_closes, daemon=True).start()
+        threading.Thread(target=exit_when_stdin_closes, daemon=True).start()
     config = PoolConfig(heartbeat_interval=heartbeat_interval, heartbeat_misses=heartbeat_misses, lease_ttl=lease_ttl,
                         max_sessions_per_gpu=max_sessions_per_gpu, restart_grace=restart_grace)
     raise typer.Exit(run(host, port, db, admin_key=admin_key, config=config, log_level=log_level.lower(),
                          tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca, insecure=insecure))
-
-
-def _exit_when_stdin_closes() -> None:
-    import os
-    try:
-        while sys.stdin.read(1 << 16):
-            pass
-    finally:
-        os._exit(0)
 
 
 # ---------------------------------------------------------------- tenants and keys
