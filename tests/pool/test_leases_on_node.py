@@ -82,3 +82,38 @@ def test_gpuwire_run_with_a_pool_lease(cluster):
     leases = _tenant(pool, key).leases()
     wait_until(lambda: all(l["state"] != "active" or l["share"] != 0.5 for l in _tenant(pool, key).leases()),
                what="the run's lease to be released")
+
+
+SHARED_JOB = """
+import sys, torch, gpuwire
+gpuwire.attach(sys.argv[1], token=sys.argv[2])
+x = torch.ones(256, 256, device="gpuwire")
+for _ in range(20):
+    x = (x @ x) / 256.0
+print("result", x.sum().item(), flush=True)
+try:
+    hog = torch.empty(int(sys.argv[3]), dtype=torch.uint8, device="gpuwire")
+    print("hog allocated")
+except torch.OutOfMemoryError as e:
+    print("oom", "budget" in str(e))
+"""
+
+
+def test_three_jobs_share_one_gpu_with_their_own_budgets(cluster):
+    pool, node, key = cluster
+    tenant = _tenant(pool, key)
+    for earlier in tenant.leases():  # leftovers of earlier tests in this module
+        if earlier["state"] in ("active", "queued"):
+            tenant.release(earlier["id"])
+    leases = [tenant.request_lease(memory="16MiB", share=s) for s in (0.25, 0.25, 0.5)]
+    try:
+        assert len({(l.node_id, l.device) for l in leases}) == 1  # packed onto one GPU
+        jobs = [subprocess.Popen([sys.executable, "-c", SHARED_JOB, l.address, l.token, str(64 << 20)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for l in leases]
+        outputs = [j.communicate(timeout=120)[0] for j in jobs]
+    finally:
+        for lease in leases:
+            lease.release()
+    for out in outputs:
+        assert "result 65536.0" in out          # each job's own result, correct
+        assert "oom True" in out                 # a 64 MiB allocation past its 16 MiB budget fails alone
