@@ -21,8 +21,12 @@ from .pool.sizes import parse_size
 
 app = typer.Typer(
     help="gpuwire: network-attached GPUs for PyTorch.\n\n"
-         "Run `gpuwire serve` on a GPU machine, then point a PyTorch program at it with "
-         "GPUWIRE_NODE=host:port and use torch.device('gpuwire').",
+         "One machine, no GPU needed:  gpuwire run python train.py   (an embedded CPU node)\n\n"
+         "A GPU box:  gpuwire serve --port 7070, then on your machine:  "
+         "gpuwire run --node gpu-box:7070 -- python train.py   (\"cuda\" means the remote GPU)\n\n"
+         "Many GPU boxes:  gpuwire pool; gpuwire serve --pool URL on each box; "
+         "gpuwire run --pool URL --share 0.25 --memory 4GiB -- python train.py\n\n"
+         "Try it all on loopback:  gpuwire demo",
     no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
 
