@@ -133,3 +133,56 @@ def test_packed_sequence_bidirectional_lstm(device):
         return [y.detach().cpu(), x.grad.cpu(), lstm.weight_ih_l0.grad.cpu(), c.detach().cpu()]
 
     assert all(torch.equal(a, b) for a, b in zip(run("cpu"), run(device)))
+
+
+def _hf_model(name):
+    from transformers import (BertConfig, BertForSequenceClassification, DistilBertConfig, DistilBertForMaskedLM,
+                              GPTNeoXConfig, GPTNeoXForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM, ViTConfig, ViTForImageClassification)
+    small = dict(num_hidden_layers=2, intermediate_size=128)
+    if name == "bert":
+        return BertForSequenceClassification(BertConfig(hidden_size=64, num_attention_heads=2, vocab_size=256,
+                                                        hidden_dropout_prob=0, attention_probs_dropout_prob=0,
+                                                        num_labels=3, **small)), "classify"
+    if name == "distilbert":
+        return DistilBertForMaskedLM(DistilBertConfig(dim=64, hidden_dim=128, n_layers=2, n_heads=2, vocab_size=256,
+                                                      dropout=0, attention_dropout=0)), "lm"
+    if name == "mistral":
+        return MistralForCausalLM(MistralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                                vocab_size=256, sliding_window=8, **small)), "lm"
+    if name == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                            vocab_size=256, **small)), "lm"
+    if name == "gpt-neox":
+        return GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=64, num_attention_heads=4, vocab_size=256,
+                                                hidden_dropout=0, attention_dropout=0, **small)), "lm"
+    return ViTForImageClassification(ViTConfig(hidden_size=64, num_attention_heads=2, image_size=32, patch_size=8,
+                                               num_labels=3, hidden_dropout_prob=0, attention_probs_dropout_prob=0,
+                                               **small)), "image"
+
+
+@pytest.mark.parametrize("name", ["bert", "distilbert", "mistral", "qwen2", "gpt-neox", "vit"])
+def test_more_hugging_face_architectures_train_bit_for_bit(device, name):
+    def run(dev):
+        torch.manual_seed(0)
+        model, kind = _hf_model(name)
+        model = model.to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        data = torch.Generator().manual_seed(1)
+        ids = torch.randint(1, 256, (2, 12), generator=data).to(dev)
+        labels = torch.tensor([0, 2]).to(dev)
+        if kind == "classify":
+            out = model(input_ids=ids, labels=labels)
+        elif kind == "image":
+            out = model(pixel_values=torch.randn(2, 3, 32, 32, generator=data).to(dev), labels=labels)
+        else:
+            out = model(input_ids=ids, labels=ids)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        return out.loss.item(), {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+    cpu_loss, cpu_state = run("cpu")
+    loss, state = run(device)
+    assert loss == cpu_loss
+    assert_states_equal(state, cpu_state)
