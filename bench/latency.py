@@ -19,15 +19,10 @@ import torch
 
 from .common import median
 from .models import DESCRIPTIONS, Workload
+from .step_ratio import timed
 
 NAME = "latency"
 DESCRIPTION = "CNN step time through a TCP delay proxy at several RTTs vs local CPU step + 1.2*RTT"
-
-
-def _timed(w: Workload) -> float:
-    t0 = time.perf_counter()
-    w.step()
-    return time.perf_counter() - t0
 
 
 def run(ctx, result) -> None:
@@ -59,8 +54,8 @@ def run(ctx, result) -> None:
             s0 = gpuwire.stats()["round_trips"]
             lt, rt = [], []
             for _ in range(steps):
-                lt.append(_timed(local))
-                rt.append(_timed(remote))
+                lt.append(timed(local))
+                rt.append(timed(remote))
             rts = (gpuwire.stats()["round_trips"] - s0) / steps
             lm, rm = median(lt) * 1e3, median(rt) * 1e3
             if rtt is None:

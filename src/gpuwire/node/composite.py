@@ -28,13 +28,14 @@ def _generator_for(device: torch.device) -> torch.Generator:
     return torch.default_generator
 
 
-def _tensors(value) -> list:
+def tensor_leaves(value) -> list:
+    """Tensor leaves of a value, depth first (how ``outs`` and recomputed gradients are ordered)."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (list, tuple)):
         out = []
         for v in value:
-            out.extend(_tensors(v))
+            out.extend(tensor_leaves(v))
         return out
     return []
 
@@ -50,7 +51,7 @@ def _rebuild(value, replacements: iter):
 def forward_with_rng(name: str, *args):
     """Run op ``name``; also return the generator state from before it ran (for backward)."""
     op = resolve_aten(name)
-    device = next((t.device for t in _tensors(args)), torch.device("cpu"))
+    device = next((t.device for t in tensor_leaves(args)), torch.device("cpu"))
     generator = _generator_for(device)
     state = generator.get_state()
     result = op(*args)
@@ -61,7 +62,7 @@ def forward_with_rng(name: str, *args):
 def backward_by_recompute(name: str, rng_state: torch.Tensor, grad_outputs: list, *args):
     """Gradients of op ``name`` w.r.t. every tensor in ``args`` (zeros where none flows)."""
     op = resolve_aten(name)
-    leaves = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in _tensors(args)]
+    leaves = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in tensor_leaves(args)]
     rebuilt = _rebuild(args, iter(leaves))
     generator = _generator_for(rng_state.device)
     saved = generator.get_state()

@@ -35,6 +35,7 @@ from ..protocol.events import (
     Write,
 )
 from .backend import Backend
+from .composite import tensor_leaves
 from .ops import OpTable
 
 log = logging.getLogger("gpuwire.node")
@@ -370,7 +371,7 @@ class Session:
             result = fn(*event.args, **event.kwargs)
         self.ops_run += 1
         if event.outs:
-            tensors = _flatten_tensors(result)
+            tensors = tensor_leaves(result)
             if len(tensors) != len(event.outs):
                 raise SessionError(f"{event.name} returned {len(tensors)} tensors, the client expected {len(event.outs)}")
             for tensor, out in zip(tensors, event.outs):
@@ -506,18 +507,6 @@ class Session:
             self.lease_expiry = float(claims["exp"])
             return {"expires": self.lease_expiry}
         raise SessionError(f"unknown query {what!r}")
-
-
-def _flatten_tensors(value) -> list:
-    """Tensor leaves of an op result, depth first (the order the client used for ``outs``)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        out = []
-        for v in value:
-            out.extend(_flatten_tensors(v))
-        return out
-    return []
 
 
 def _describe(event) -> str:
