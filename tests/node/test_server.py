@@ -109,3 +109,21 @@ def test_non_aten_and_side_effect_ops_are_refused(node):
             rt.call_sync(name, ["x"], {})
     rt.synchronize()
     rt.close()
+
+
+def test_hostile_op_cannot_allocate_the_machine_away(node):
+    """Ops whose results could not fit are refused before they run: factory ops sized by
+    their arguments, and results larger than declared room."""
+    from gpuwire.protocol.events import Op
+    rt = Runtime(node.address)
+    huge = [1 << 22, 1 << 22]  # 16 Ti elements
+    for name, args, kwargs in (("aten::zeros", [huge], {}), ("aten::ones", [huge], {}),
+                               ("aten::empty.memory_format", [huge], {}), ("aten::full", [huge, 1.0], {})):
+        rt.enqueue(rt.conn.encode_op(rt.next_seq(), name, args, kwargs, [[1 << 40, 64, [4], [1], 0]]))
+        with pytest.raises(torch.OutOfMemoryError, match="would allocate"):
+            rt.synchronize()
+    rt.enqueue(rt.conn.encode_op(rt.next_seq(), "aten::zeros", [[4]], {}, [[(1 << 40) + 4096, 1 << 62, [4], [1], 0]]))
+    with pytest.raises(torch.OutOfMemoryError, match="would allocate"):
+        rt.synchronize()
+    rt.close()
+    assert _healthy(node.address)

@@ -93,6 +93,7 @@ class Session:
         self.bytes_in_use = 0
         self.peak_bytes = 0
         self.memory_budget: int | None = None  # bytes; None: the whole device
+        self._device_bytes: int | None = None
         self.share = 1.0  # compute share (0, 1]: weight in the device's fair scheduler
         self.lease_id: str | None = None  # pool mode: the lease this session runs under
         self.lease_expiry: float | None = None  # unix time; the node ends the session after it
@@ -364,8 +365,49 @@ class Session:
         error.reply_to = reply_to
         return error
 
+    def _room(self) -> int:
+        """Bytes this session may still allocate: its budget, else the device's memory."""
+        if self.memory_budget is not None:
+            return self.memory_budget - self.bytes_in_use
+        if self._device_bytes is None:
+            self._device_bytes = int(self.backend.describe().get("total_memory") or 0) or (1 << 62)
+        return self._device_bytes - self.bytes_in_use
+
+    def _guard_allocation(self, event: Op, fn) -> None:
+        """Refuse, before running, an op whose results could not fit: the sizes the client
+        declared, and for ops with no tensor argument (factories, which our client never sends
+        whole) the sizes a meta run computes. A hostile client cannot make the node allocate
+        the machine away this way."""
+        room = self._room()
+        declared = 0
+        for out in event.outs:
+            if type(out) is list and len(out) > 1 and type(out[1]) is int:
+                declared += out[1]
+        if declared > room:
+            raise torch.OutOfMemoryError(f"gpuwire: {event.name} would allocate {_human(declared)}, more than the "
+                                         f"{_human(max(room, 0))} this session has left")
+        if any(isinstance(a, torch.Tensor) for a in event.args) or any(
+                isinstance(v, torch.Tensor) for v in event.kwargs.values()):
+            return
+        if any(isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a) for a in event.args):
+            return
+        meta = torch.device("meta")
+        kwargs = {k: (meta if isinstance(v, torch.device) else v) for k, v in event.kwargs.items()}
+        args = [meta if isinstance(a, torch.device) else a for a in event.args]
+        if "device" not in kwargs:
+            kwargs["device"] = meta
+        try:
+            result = fn(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - no meta answer: the real run reports its own error
+            return
+        needed = sum(t.untyped_storage().nbytes() for t in tensor_leaves(result))
+        if needed > room:
+            raise torch.OutOfMemoryError(f"gpuwire: {event.name} would allocate {_human(needed)}, more than the "
+                                         f"{_human(max(room, 0))} this session has left")
+
     def _run_op(self, event: Op) -> None:
         fn = self.ops.resolve(event.name)
+        self._guard_allocation(event, fn)
         with self.rng.lock:
             self.rng.acquire(self)
             result = fn(*event.args, **event.kwargs)
