@@ -24,9 +24,10 @@ class NodeProcess:
 
     def __init__(self, *extra: str, env: dict | None = None, backend: str = "cpu"):
         cmd = [sys.executable, "-m", "gpuwire", "serve", "--host", "127.0.0.1", "--port", "0",
-               "--backend", backend, "--log-level", "info", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, **(env or {})})
+               "--backend", backend, "--log-level", "info", "--exit-with-stdin", *extra]
+        # the node exits when this process dies, even if pytest itself is killed
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env={**os.environ, **(env or {})})
         self.stderr_lines: list[str] = []
         line = _readline_with_timeout(self.proc.stdout, 60)
         match = re.search(r"listening on (\S+):(\d+)", line or "")
