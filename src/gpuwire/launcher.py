@@ -111,7 +111,8 @@ def run(argv: list[str], *, node: str | None, token: str | None, cuda_compat: bo
             return 2
         node, token = lease.address, lease.token
         if not quiet:
-            _say(f"lease {lease.id}: {lease.memory / (1 << 30):.3g} GiB, share {lease.share} of GPU {lease.device} "
+            from .pool.sizes import format_size
+            _say(f"lease {lease.id}: {format_size(lease.memory)}, share {lease.share} of GPU {lease.device} "
                  f"on node {lease.node_id}")
     if node is None:
         from .client import embedded as embedded_module

@@ -369,7 +369,7 @@ class MutatingPlan:
         data-dependent sizes): the op must then run as a sync op."""
         fresh_ref = getattr(_state, "fresh", None)
         fresh = fresh_ref() if fresh_ref is not None else None
-        for index, name, kwarg_only in self.out_args:
+        for position, (index, name, kwarg_only) in enumerate(self.out_args):
             out = _get_arg(args, kwargs, index, name, kwarg_only)
             if not isinstance(out, torch.Tensor) or (out is fresh and out.numel()) or any(out is a for a in args):
                 continue
@@ -377,7 +377,6 @@ class MutatingPlan:
             if entry is SYNC or entry is None:
                 return False
             expected = entry.out_shapes
-            position = [i for i, *_ in self.out_args].index(index)
             if position < len(expected) and tuple(out.shape) != expected[position]:
                 out.resize_(expected[position])
         return True

@@ -35,6 +35,7 @@ from ..protocol.events import (
     Write,
 )
 from .backend import Backend
+from ..pool.sizes import format_size
 from .composite import tensor_leaves
 from .ops import OpTable
 
@@ -231,8 +232,8 @@ class Session:
         """Refuse an allocation past the session's memory budget, before allocating."""
         if self.memory_budget is not None and self.bytes_in_use + nbytes > self.memory_budget:
             raise torch.OutOfMemoryError(
-                f"gpuwire: allocating {_human(nbytes)} would exceed this session's memory budget of "
-                f"{_human(self.memory_budget)} ({_human(self.bytes_in_use)} in use). Free tensors (del, "
+                f"gpuwire: allocating {format_size(nbytes)} would exceed this session's memory budget of "
+                f"{format_size(self.memory_budget)} ({format_size(self.bytes_in_use)} in use). Free tensors (del, "
                 "torch.cuda.empty_cache()) or ask for a larger budget")
 
     def _store(self, storage_id: int, storage: torch.UntypedStorage) -> None:
@@ -384,8 +385,7 @@ class Session:
             if type(out) is list and len(out) > 1 and type(out[1]) is int:
                 declared += out[1]
         if declared > room:
-            raise torch.OutOfMemoryError(f"gpuwire: {event.name} would allocate {_human(declared)}, more than the "
-                                         f"{_human(max(room, 0))} this session has left")
+            raise _no_room(event.name, declared, room)
         if any(isinstance(a, torch.Tensor) for a in event.args) or any(
                 isinstance(v, torch.Tensor) for v in event.kwargs.values()):
             return
@@ -402,8 +402,7 @@ class Session:
             return
         needed = sum(t.untyped_storage().nbytes() for t in tensor_leaves(result))
         if needed > room:
-            raise torch.OutOfMemoryError(f"gpuwire: {event.name} would allocate {_human(needed)}, more than the "
-                                         f"{_human(max(room, 0))} this session has left")
+            raise _no_room(event.name, needed, room)
 
     def _run_op(self, event: Op) -> None:
         fn = self.ops.resolve(event.name)
@@ -556,8 +555,6 @@ def _describe(event) -> str:
     return name or type(event).__name__
 
 
-def _human(nbytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if nbytes < 1024 or unit == "TiB":
-            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{nbytes} B"
-        nbytes /= 1024
+def _no_room(op: str, nbytes: int, room: int) -> torch.OutOfMemoryError:
+    return torch.OutOfMemoryError(f"gpuwire: {op} would allocate {format_size(nbytes)}, more than the "
+                                  f"{format_size(max(room, 0))} this session has left")
