@@ -42,8 +42,11 @@ def stats() -> dict:
     rt = current_runtime()
     if rt is None:
         return {"connected": False}
+    recovery = rt.recovery
     return {"connected": True, "node": rt.address, "round_trips": rt.round_trips, "ops_sent": rt.ops_sent,
-            "bytes_sent": rt.bytes_sent, "bytes_received": rt.bytes_received, "live_storages": rt.live_storages}
+            "bytes_sent": rt.bytes_sent, "bytes_received": rt.bytes_received, "live_storages": rt.live_storages,
+            "durability": recovery.mode, "recovery_log_bytes": recovery.log_bytes,
+            "recovery_snapshot_bytes": recovery.snapshot_bytes, **recovery.stats}
 
 
 def _register_now() -> None:

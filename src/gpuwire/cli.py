@@ -152,6 +152,11 @@ def run(
     memory: Optional[str] = typer.Option(None, help="With --pool: memory budget, e.g. 4GiB (default: whole GPU)."),
     share: float = typer.Option(1.0, help="With --pool: compute share of the GPU, 0 < share <= 1."),
     wait: float = typer.Option(600.0, help="With --pool: seconds to wait in the queue when nothing is free."),
+    durability: Optional[str] = typer.Option(
+        None, envvar="GPUWIRE_DURABILITY",
+        help="What survives a failure: 'none' (a lost connection ends the program), 'reconnect' (network cuts "
+             "up to GPUWIRE_RECONNECT_GRACE s; the default without a pool) or 'checkpoint' (also the loss of the "
+             "node: snapshots + a replay log, rebuilt on a replacement GPU; the default with --pool)."),
 ):
     """Run COMMAND with its GPU work on a gpuwire node.
 
@@ -167,8 +172,10 @@ def run(
     request = {"gpus": gpus, "share": share, "wait": wait}
     if memory:
         request["memory"] = memory
+    if durability is not None and durability not in ("none", "reconnect", "checkpoint"):
+        raise typer.BadParameter("choose none, reconnect or checkpoint", param_hint="--durability")
     raise typer.Exit(run_command(list(ctx.args), node=node, token=token, cuda_compat=cuda_compat, quiet=quiet,
-                                 pool=pool, lease_request=request))
+                                 pool=pool, lease_request=request, durability=durability))
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

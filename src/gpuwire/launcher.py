@@ -91,7 +91,7 @@ class LaunchError(Exception):
 
 
 def run(argv: list[str], *, node: str | None, token: str | None, cuda_compat: bool, quiet: bool = False,
-        pool: str | None = None, lease_request: dict | None = None) -> int:
+        pool: str | None = None, lease_request: dict | None = None, durability: str | None = None) -> int:
     if not argv:
         print("gpuwire run: no command given; usage: gpuwire run [OPTIONS] -- COMMAND [ARGS...]", file=sys.stderr)
         return 2
@@ -147,6 +147,10 @@ def run(argv: list[str], *, node: str | None, token: str | None, cuda_compat: bo
         env["GPUWIRE_TOKEN"] = token
     if token_file:
         env["GPUWIRE_TOKEN_FILE"] = token_file
+        # the program's client asks the pool itself for a replacement GPU if its node is lost
+        env.update(GPUWIRE_POOL=pool, GPUWIRE_LEASE_ID=lease.id)
+    if durability:
+        env["GPUWIRE_DURABILITY"] = durability
     env["PYTHONPATH"] = BOOT_DIR + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
     try:

@@ -52,3 +52,102 @@ def test_node_enforces_the_budget_even_if_the_client_does_not(budget_node):
     assert bytes(polite.read(sid, 0, 16)) == b"\x01" * 16
     greedy.close()
     polite.close()
+
+
+# ---------------------------------------------------------------- the node's meta check (issue 7)
+#
+# A hostile client declares small outputs (or none) for an op whose real output is huge. The node
+# runs the op on meta tensors first and refuses it before allocating: the node process's peak
+# resident memory (VmHWM, read from /proc) shows no allocation ever happened.
+
+from gpuwire.protocol.codec import DTYPE_CODES, pack_tensor_ref  # noqa: E402
+
+F32 = DTYPE_CODES["float32"]
+GiB = 1 << 30
+
+
+def _peak_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc/PID/status")
+
+
+def _op(rt: Runtime, name: str, args, kwargs=None, outs=()):
+    rt.enqueue(rt.conn.encode_op(rt.next_seq(), name, args, kwargs or {}, [list(o) for o in outs]))
+    rt.synchronize()
+
+
+@pytest.mark.timeout(120)
+def test_node_refuses_ops_whose_real_output_outgrows_the_declaration(budget_node):
+    rt = Runtime(budget_node.address)
+    rt.memory_budget = None  # a hostile client: it declares what it likes
+    sid = rt.allocate(64)
+    rt.write(sid, 0, memoryview(torch.arange(16, dtype=torch.float32).numpy()).cast("B"))
+    x = pack_tensor_ref(sid, 0, (4, 4), (4, 1), F32)
+    wide = pack_tensor_ref(sid, 0, (1 << 15, 1 << 13), (0, 0), F32)  # a 1 GiB view of 4 bytes: in bounds
+    rt.synchronize()
+    before = _peak_rss(budget_node.proc.pid)
+
+    def small_out():
+        return [[rt.reserve(64), 64, [4, 4], [4, 1], F32]]
+
+    cases = [
+        ("aten::repeat", [x, [1 << 12, 1 << 12]], {}, small_out(), r"aten::repeat would allocate 1GiB"),
+        ("aten::contiguous", [wide], {}, small_out(), r"aten::contiguous would allocate 1GiB"),
+        ("aten::clone", [wide], {}, small_out(), r"aten::clone would allocate 1GiB"),
+        ("aten::new_empty", [x, [1 << 28]], {}, (), r"aten::new_empty would allocate 1GiB"),
+        ("aten::add.Tensor", [pack_tensor_ref(sid, 0, (1 << 15, 1), (0, 1), F32),  # broadcasting
+                              pack_tensor_ref(sid, 0, (1, 1 << 13), (1, 0), F32)], {}, (),
+         r"aten::add.Tensor would allocate 1GiB"),
+        ("aten::bincount", [torch.tensor([(1 << 27) - 1])], {}, (), r"aten::bincount would allocate 1GiB .*values"),
+        ("gpuwire::forward_with_rng", ["aten::repeat", x, [1 << 12, 1 << 12]], {}, (),
+         r"aten::repeat would allocate 1GiB"),
+    ]
+    for name, args, kwargs, outs, message in cases:
+        with pytest.raises(torch.OutOfMemoryError, match=message) as info:
+            _op(rt, name, args, kwargs, outs)
+        assert "this session has left" in str(info.value), str(info.value)
+    # an out= tensor of the wrong size: aten would grow its storage, outside the budget
+    with pytest.raises(Exception, match=r"aten::add.out would resize an argument of shape \[4, 4\] to "
+                                        r"\[32768, 8192\].*out= tensors of the result's shape"):
+        _op(rt, "aten::add.out", [wide, 1], {"out": x})
+
+    after = _peak_rss(budget_node.proc.pid)
+    assert after - before < 256 << 20, f"the node's peak memory grew by {(after - before) >> 20} MiB"
+    # the session goes on, its data intact; the same ops at honest sizes run
+    assert torch.equal(torch.frombuffer(bytearray(rt.read(sid, 0, 64)), dtype=torch.float32),
+                       torch.arange(16, dtype=torch.float32))
+    out = rt.reserve(256)
+    _op(rt, "aten::repeat", [x, [2, 2]], {}, [[out, 256, [8, 8], [8, 1], F32]])
+    got = torch.frombuffer(bytearray(rt.read(out, 0, 256)), dtype=torch.float32).reshape(8, 8)
+    assert torch.equal(got, torch.arange(16, dtype=torch.float32).reshape(4, 4).repeat(2, 2))
+    rt.close()
+
+
+@pytest.mark.timeout(180)
+def test_honest_programs_pass_the_meta_check(budget_node):
+    """Ops of every path (structured out=, functional, in-place, views, value-sized, composite)
+    at honest sizes run under a budget and match CPU bit for bit."""
+    code = textwrap.dedent(f"""
+        import torch, gpuwire
+        gpuwire.attach("{budget_node.address}")
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(16, 8, generator=g); b = torch.randn(8, 16, generator=g); i = torch.tensor([3, 1, 3, 0])
+        def run(dev):
+            x, y, idx = a.to(dev), b.to(dev), i.to(dev)
+            out = torch.empty(16, 16, device=dev)
+            torch.mm(x, y, out=out)
+            z = x.repeat(2, 3) + 1
+            z.mul_(2)
+            w = torch.cat([x, x.t().contiguous().t()], 0).sum(0)
+            e = x.expand(2, 16, 8).contiguous()
+            r = torch.repeat_interleave(x[:2], torch.tensor([1, 2], device=dev), dim=0)
+            return [out, z, w, e, r, torch.bincount(idx), torch.nn.functional.one_hot(idx), x.new_zeros(3, 3),
+                    torch.add(x, x[0], out=torch.empty(16, 8, device=dev)), (x @ y).softmax(-1)]
+        ref, got = run("cpu"), run("gpuwire")
+        print("EQUAL", all(torch.equal(r, g.cpu()) for r, g in zip(ref, got)))
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=150)
+    assert "EQUAL True" in result.stdout, result.stdout + result.stderr

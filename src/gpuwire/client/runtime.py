@@ -9,6 +9,7 @@ the queue and wait: that is the only place the client blocks, and ``round_trips`
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import ssl
@@ -31,6 +32,7 @@ from ..protocol.events import (
     Free,
     Goodbye,
     Hello,
+    Notice,
     Query,
     Read,
     Reject,
@@ -42,6 +44,7 @@ from ..protocol.events import (
     Write,
 )
 from .errors import ConnectionLost, NodeUnreachable, RemoteError, remote_error
+from .recovery import Recovery
 from .wire import encode_default
 
 FLUSH_OPS = 64
@@ -95,6 +98,7 @@ class Runtime:
         self.memory_budget: int | None = None
         self._allocs_since_scan = 0
         self._dead: BaseException | None = None
+        self._awaiting: set[int] | None = None  # seqs of the replies the client waits for now
         self._token_file = os.environ.get("GPUWIRE_TOKEN_FILE") or None
         self._token_checked = 0.0
         self._token_mtime = None
@@ -102,8 +106,20 @@ class Runtime:
         self._sock.settimeout(reply_timeout)
         self._last_alloc = None  # (storage id, nbytes, queued frame) of the latest Alloc
         self._read_into: dict[int, memoryview] = {}  # Read seq -> where its Data payload lands
-        self.conn = Connection(Role.CLIENT, default=encode_default, payload_sink=self._data_sink)
+        self.token = token
+        self.connect_timeout = connect_timeout
+        self.recovery = Recovery.from_env(self)
+        self.conn = self.new_connection()
         self._handshake(token, connect_timeout)
+        self.recovery.started()
+        self._pid = os.getpid()
+        atexit.register(self._close_at_exit)
+
+    def _close_at_exit(self) -> None:
+        """Say Goodbye when the program ends, so the node frees the session now rather than
+        keeping it parked for a reconnect (never from a forked child: the session is the parent's)."""
+        if os.getpid() == self._pid and self._dead is None:
+            self.close()
 
     # ------------------------------------------------------------ connection
 
@@ -136,12 +152,7 @@ class Runtime:
     def _handshake(self, token: str | None, timeout: float) -> None:
         self._sock.settimeout(timeout)
         try:
-            options = {"pid": os.getpid()}
-            share = os.environ.get("GPUWIRE_SHARE")
-            if share:
-                options["share"] = float(share)
-            self._sock.sendall(self.conn.send(Hello(client_version=__version__, token=token,
-                                                    capabilities=["sync-ops"], options=options)))
+            self._sock.sendall(self.conn.send(self._hello(token)))
             event = self._next_event()
         except (socket.timeout, TimeoutError):
             self._sock.close()
@@ -161,7 +172,22 @@ class Runtime:
         budget = event.limits.get("memory_budget") if isinstance(event.limits, dict) else None
         self.memory_budget = budget if isinstance(budget, int) and budget > 0 else None
         self.session_id = event.session_id
+        self.resume_key = event.resume.get("key") if isinstance(event.resume, dict) else None
         self._sock.settimeout(None)
+
+    def new_connection(self) -> Connection:
+        return Connection(Role.CLIENT, default=encode_default, payload_sink=self._data_sink)
+
+    def _hello(self, token: str | None, resume: dict | None = None) -> Hello:
+        options = {"pid": os.getpid()}
+        share = os.environ.get("GPUWIRE_SHARE")
+        if share:
+            options["share"] = float(share)
+        if self.recovery.mode != "none":
+            options["durable"] = self.recovery.grace
+        if resume is not None:
+            options["resume"] = resume
+        return Hello(client_version=__version__, token=token, capabilities=["sync-ops", "resume"], options=options)
 
     def close(self) -> None:
         with self.lock:
@@ -181,9 +207,11 @@ class Runtime:
     def alive(self) -> bool:
         return self._dead is None
 
-    def _lost(self, exc: BaseException) -> ConnectionLost:
-        lost = ConnectionLost(f"lost the connection to gpuwire node {self.address}: {exc}. "
-                              "Remote tensors of this session are gone; restart the program (or the node)")
+    def _lost(self, exc: BaseException, why: str | None = None) -> ConnectionLost:
+        lost = ConnectionLost(why or f"lost the connection to gpuwire node {self.address}: {exc}. "
+                              "Remote tensors of this session are gone; restart the program (or the node), "
+                              "or run it with GPUWIRE_DURABILITY=checkpoint (default under `gpuwire run --pool`) "
+                              "to survive the loss of a node")
         self._dead = lost
         try:
             self._sock.close()
@@ -202,9 +230,12 @@ class Runtime:
         return self.seq
 
     def enqueue(self, frame: bytes) -> None:
-        """Queue an encoded command; flush when the batch is large enough."""
+        """Queue an encoded command (the one just numbered ``self.seq``); flush when the batch
+        is large enough."""
         self._queue.append(frame)
         self._queue_bytes += len(frame)
+        if self.recovery.logging:
+            self.recovery.log(self.seq, frame)
         if len(self._queue) >= FLUSH_OPS or self._queue_bytes >= FLUSH_BYTES:
             self._flush()
 
@@ -217,13 +248,41 @@ class Runtime:
         try:
             self.bytes_sent += send_parts(self._sock, parts)
         except OSError as exc:
-            raise self._lost(exc) from None
+            self.recovery.recover(exc)  # resends ``parts`` (they are in the log) or raises ConnectionLost
 
     def flush(self) -> None:
         with self.lock:
             self._flush()
 
     def _next_event(self):
+        """The next reply this client waits for. A broken connection is recovered here
+        (``Recovery``), after which replies the client no longer waits for (of replayed
+        commands) are dropped; drain notices are noted for the end of the request."""
+        while True:
+            try:
+                event = self._receive_event()
+            except (socket.timeout, TimeoutError):
+                raise
+            except (ConnectionLost, ProtocolError) as exc:
+                if not self.recovery.can_recover:
+                    if isinstance(exc, ConnectionLost):
+                        raise
+                    raise self._lost(exc) from None
+                self.recovery.recover(exc)
+                continue
+            cls = type(event)
+            if cls is Notice:
+                self.recovery.notice = event
+                continue
+            awaiting = self._awaiting
+            if awaiting is not None:
+                seq = event.reply_to if cls is Error else getattr(event, "seq", None)
+                if seq not in awaiting:
+                    continue  # the reply to a replayed command the program already has
+                awaiting.discard(seq)
+            return event
+
+    def _receive_event(self):
         conn = self.conn
         while True:
             event = conn.next_event()
@@ -263,8 +322,12 @@ class Runtime:
         except OSError:
             return
         self._token_mtime = mtime
-        if token:
-            self.request(Query(seq=self.next_seq(), what="lease-token:" + token))
+        if token and token != self.token:
+            try:
+                self.request(Query(seq=self.next_seq(), what="lease-token:" + token))
+                self.token = token
+            except RemoteError:
+                pass  # a token for the node we left (failover, drain): the next renewal brings ours
 
     def request(self, event):
         """Send a command that has a reply; wait for it. Raises RemoteError for a failure of
@@ -272,15 +335,17 @@ class Runtime:
         self._check_alive()
         if self._token_file is not None and type(event) is not Query:
             self._refresh_lease_token()
-        self._queue.append(self.conn.send(event))
-        self._flush()
-        self.round_trips += 1
+        self._awaiting = {event.seq}
+        self.enqueue(self.conn.send(event))
         try:
+            self._flush()
+            self.round_trips += 1
             reply = self._next_event()
-        except ProtocolError as exc:
-            raise self._lost(exc) from None
+        finally:
+            self._awaiting = None
         if type(reply) is Error:
             raise remote_error(reply.op, reply.seq, reply.exc_type, reply.message, self.address)
+        self.recovery.after_request()
         return reply
 
     # ------------------------------------------------------------ commands
@@ -339,6 +404,8 @@ class Runtime:
                 and self._queue[-1] is self._last_alloc[2]:
             _, nbytes, _frame = self._last_alloc
             self._queue[-1] = self.conn.encode_alloc(self.next_seq(), storage_id, nbytes, overwrite=True)
+            if self.recovery.logging:
+                self.recovery.replace_last(_frame, self.seq, self._queue[-1])
             self._last_alloc = None
             return True
         return False
@@ -390,10 +457,12 @@ class Runtime:
                 chunk = data[start:start + CHUNK_BYTES]
                 parts = self.conn.send_parts(Write(seq=self.next_seq(), storage_id=storage_id,
                                                    byte_offset=byte_offset + start, payload=chunk))
+                if self.recovery.logging:
+                    self.recovery.log(self.seq, b"".join(parts))  # the program may change ``data`` later
                 try:
                     self.bytes_sent += send_parts(self._sock, parts)
                 except OSError as exc:
-                    raise self._lost(exc) from None
+                    self.recovery.recover(exc)
 
     def _data_sink(self, header: list, nbytes: int):
         """Large Data payloads are received straight into the reader's destination."""
@@ -412,35 +481,45 @@ class Runtime:
             if nbytes == 0:
                 self.request(Sync(seq=self.next_seq()))
                 return out
-            chunks = []
+            error = self._read_many([(storage_id, byte_offset, nbytes, out)])
+            if error is not None:
+                raise remote_error(error.op, error.seq, error.exc_type, error.message, self.address)
+            self.recovery.after_request()
+            return out
+
+    def _read_many(self, reads) -> Error | None:
+        """One round trip for several (storage id, byte offset, nbytes, destination) reads:
+        chunks pipelined, large chunks received in place. Returns the first Error, if any."""
+        chunks = {}
+        for storage_id, byte_offset, nbytes, out in reads:
             for start in range(0, nbytes, CHUNK_BYTES):
                 seq = self.next_seq()
                 size = min(CHUNK_BYTES, nbytes - start)
-                chunks.append((seq, start, size))
+                chunks[seq] = (out, start, size)
                 self._read_into[seq] = out[start:start + size]
                 self._queue.append(self.conn.send(Read(seq=seq, storage_id=storage_id,
                                                        byte_offset=byte_offset + start, nbytes=size)))
-            try:
-                self._flush()
-                self.round_trips += 1
-                error = None
-                for seq, start, size in chunks:
-                    try:
-                        reply = self._next_event()
-                    except ProtocolError as exc:
-                        raise self._lost(exc) from None
-                    if type(reply) is Error:
-                        error = error or reply
-                        continue
-                    if type(reply) is not Data or reply.seq != seq:
-                        raise self._lost(ProtocolError(f"expected Data for read #{seq}, got {type(reply).__name__}"))
-                    payload = reply.payload
-                    if not (isinstance(payload, memoryview) and payload.obj is out.obj):
-                        out[start:start + size] = payload  # small chunk: came through the frame buffer
-            finally:
-                for seq, _, _ in chunks:
-                    self._read_into.pop(seq, None)
-            if error is not None:
-                raise remote_error(error.op, error.seq, error.exc_type, error.message, self.address)
-            return out
+                if self.recovery.logging:
+                    self.recovery.log(seq, self._queue[-1], read=True)
+        self._awaiting = set(chunks)
+        error = None
+        try:
+            self._flush()
+            self.round_trips += 1
+            while self._awaiting:
+                reply = self._next_event()
+                if type(reply) is Error:
+                    error = error or reply
+                    continue
+                if type(reply) is not Data or reply.seq not in chunks:
+                    raise self._lost(ProtocolError(f"expected Data, got {type(reply).__name__}"))
+                out, start, size = chunks[reply.seq]
+                payload = reply.payload
+                if not (isinstance(payload, memoryview) and payload.obj is out.obj):
+                    out[start:start + size] = payload  # small chunk: came through the frame buffer
+        finally:
+            self._awaiting = None
+            for seq in chunks:
+                self._read_into.pop(seq, None)
+        return error
 

@@ -10,8 +10,9 @@ A session's failure (bad input, protocol error, dropped client) ends only that s
 from __future__ import annotations
 
 import hmac
-import ssl
 import logging
+import secrets
+import ssl
 import socket
 import threading
 import time
@@ -20,7 +21,7 @@ from time import perf_counter
 from .. import __version__
 from .._io import send_parts
 from ..protocol import CLOSED, NEED_DATA, Connection, Limits, ProtocolError, Role, check_hello
-from ..protocol.events import Goodbye, Hello, Reject, Welcome
+from ..protocol.events import Data, Goodbye, Hello, Notice, Read, Reject, Restore, Welcome
 from .backend import Backend
 from .ops import OpTable
 from .scheduler import FairScheduler
@@ -50,6 +51,8 @@ class NodeServer:
         # a session outlives its token's expiry by this much: a pool restart pauses renewals,
         # and running jobs must not notice
         self.lease_grace = 30.0
+        self.max_resume_grace = 120.0  # longest a durable session waits for its client to reconnect
+        self.draining: dict | None = None  # {"reason", "deadline"} while the pool drains this node
         self._sockets: dict[str, socket.socket] = {}
         self.rng = RngOwner(self.backend)
         self.scheduler = FairScheduler()
@@ -134,15 +137,13 @@ class NodeServer:
 
     def _serve_connection(self, sock: socket.socket, addr) -> None:
         peer = f"{addr[0]}:{addr[1]}"
-        session = Session(self.backend, self.rng, self.ops, peer=peer)
-        session.node_info = self.node_info
-        session.memory_budget = self.session_memory
-        session.token_verifier = self.token_verifier
-        conn = Connection(Role.SERVER, limits=self.limits, ext_hook=session.ext_hook,
-                          payload_sink=session.payload_sink)
+        conn = Connection(Role.SERVER, limits=self.limits)
+        session: Session | None = None
         registered = False
+        ended_cleanly = False
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            deadline = time.monotonic() + self.handshake_timeout  # overall: a slow-loris gets no slot
             sock.settimeout(self.handshake_timeout)
             if self.tls is not None:
                 try:
@@ -150,59 +151,155 @@ class NodeServer:
                 except (ssl.SSLError, OSError) as exc:
                     log.warning("TLS handshake with %s failed: %s", peer, exc)
                     return
-            hello = self._read_hello(sock, conn)
+            hello = self._read_hello(sock, conn, deadline)
             if hello is None:
                 return
-            refusal = self._refusal(hello) or self._admit_lease(hello, session)
-            if refusal is None:
-                with self._lock:
-                    if len(self.sessions) >= self.max_sessions:
-                        refusal = f"node is full ({self.max_sessions} sessions); try again later or use another node"
-                    else:
-                        self.sessions[session.id] = session
-                        self._sockets[session.id] = sock
-                        registered = True
+            options = hello.options if isinstance(hello.options, dict) else {}
+            refusal = self._refusal(hello)
+            resume = options.get("resume")
+            if refusal is None and resume is not None:
+                session, refusal = self._take_over(resume, hello)
+                registered = session is not None
+            elif refusal is None:
+                session = Session(self.backend, self.rng, self.ops, peer=peer)
+                refusal = self._admit_lease(hello, session)
+                if refusal is None:
+                    with self._lock:
+                        if len(self.sessions) >= self.max_sessions:
+                            refusal = (f"node is full ({self.max_sessions} sessions); try again later or use "
+                                       "another node")
+                        else:
+                            self.sessions[session.id] = session
+                            registered = True
             if refusal is not None:
                 log.warning("refused session from %s: %s", peer, refusal)
                 sock.sendall(conn.send(Reject(reason=refusal, server_version=__version__)))
                 return
-            sock.sendall(conn.send(Welcome(server_version=__version__, capabilities=["sync-ops"],
-                                           session_id=session.id, device=self.backend.describe(),
-                                           limits={**self.limits.as_dict(),
-                                                   "memory_budget": session.memory_budget})))
-            pid = hello.options.get("pid") if isinstance(hello.options, dict) else None
-            session.client_pid = pid if isinstance(pid, int) else 0
-            session.client_version = hello.client_version
-            share = hello.options.get("share") if isinstance(hello.options, dict) else None
-            if session.lease_id is None and isinstance(share, (int, float)) and 0 < share <= 1:
-                session.share = float(share)  # standalone nodes trust the client; pool leases set it
-            log.info("session %s opened from %s (client %s)", session.id, peer, hello.client_version)
+            resumed = resume is not None
+            if not resumed:
+                self._configure(session, hello, options)
+            session.peer = peer
+            session.parked_until = None
+            self._sockets[session.id] = sock
+            conn.bind(ext_hook=session.ext_hook, payload_sink=session.payload_sink)
+            session.conn = conn
+            if resumed:
+                conn.continue_decoding_from(session.peer_op_names)
+                session.replay_floor = session.applied_seq
+            welcome = Welcome(server_version=__version__, capabilities=["sync-ops", "resume"],
+                              session_id=session.id, device=self.backend.describe(),
+                              limits={**self.limits.as_dict(), "memory_budget": session.memory_budget,
+                                      "idle_timeout": self.idle_timeout},
+                              resume={"key": session.resume_key, "resumed": resumed,
+                                      "last_seq": session.applied_seq} if session.resume_key else {})
+            parts = conn.send_parts(welcome)
+            if resumed:  # replies the client never got (the connection broke before they arrived)
+                awaiting = set(resume.get("awaiting") or ()) if isinstance(resume, dict) else set()
+                for reply in session.recent_replies:
+                    if reply.seq in awaiting or getattr(reply, "reply_to", -1) in awaiting:
+                        parts.extend(conn.send_parts(reply))
+            send_parts(sock, parts)
+            log.info("session %s %s from %s (client %s)", session.id, "resumed" if resumed else "opened", peer,
+                     session.client_version)
             sock.settimeout(self.idle_timeout)
-            self._session_loop(sock, conn, session)
+            ended_cleanly = self._session_loop(sock, conn, session)
         except ProtocolError as exc:
-            log.warning("session %s from %s dropped: protocol error: %s", session.id, peer, exc)
+            log.warning("session %s from %s dropped: protocol error: %s", session and session.id, peer, exc)
         except (ConnectionError, socket.timeout, OSError) as exc:
-            log.info("session %s from %s ended: %s", session.id, peer, exc)
+            log.info("session %s from %s ended: %s", session and session.id, peer, exc)
         except Exception:  # noqa: BLE001 - a bug must not take the node down
-            log.exception("session %s from %s failed", session.id, peer)
+            log.exception("session %s from %s failed", session and session.id, peer)
         finally:
             if registered:
-                with self._lock:
-                    self.sessions.pop(session.id, None)
-                    self._sockets.pop(session.id, None)
-                log.info("session %s closed: freed %d bytes in %d storages after %d ops", session.id,
-                         session.bytes_in_use, len(session.storages), session.ops_run)
-            session.close()
+                self._detach(session, conn, ended_cleanly)
             try:
                 sock.close()
             except OSError:
                 pass
             self._threads.discard(threading.current_thread())
 
-    def _read_hello(self, sock: socket.socket, conn: Connection) -> Hello | None:
+    def _configure(self, session: Session, hello: Hello, options: dict) -> None:
+        session.node_info = self.node_info
+        session.migrate_hook = self._migrate
+        session.drain_notice = self.draining
+        if session.memory_budget is None:
+            session.memory_budget = self.session_memory
+        session.token_verifier = self.token_verifier
+        pid = options.get("pid")
+        session.client_pid = pid if isinstance(pid, int) else 0
+        session.client_version = hello.client_version
+        share = options.get("share")
+        if session.lease_id is None and isinstance(share, (int, float)) and 0 < share <= 1:
+            session.share = float(share)  # standalone nodes trust the client; pool leases set it
+        durable = options.get("durable")
+        if isinstance(durable, (int, float)) and durable > 0:
+            session.resume_key = secrets.token_hex(16)
+            session.resume_grace = min(float(durable), self.max_resume_grace)
+
+    def _take_over(self, resume, hello: Hello) -> tuple[Session | None, str | None]:
+        """A client reconnects to its durable session (after a network cut, or to one a draining
+        node moved here): check the key, detach the old connection, hand the session over."""
+        unknown = "unknown session: it expired, was moved, or the node restarted (rebuild it)"
+        if not isinstance(resume, dict) or not isinstance(resume.get("session"), str):
+            return None, "malformed resume request"
+        with self._lock:
+            session = self.sessions.get(resume["session"])
+        key = resume.get("key")
+        if session is None or session.resume_key is None or not isinstance(key, str) \
+                or not hmac.compare_digest(key.encode(), session.resume_key.encode()) or session.ended_reason:
+            return None, unknown
+        if self.token_verifier is not None:
+            try:
+                claims = self.token_verifier(hello.token or "")
+            except Exception as exc:  # noqa: BLE001
+                return None, f"lease token refused: {exc}"
+            if claims.get("lease") != session.lease_id:
+                return None, "lease token is for another lease than the session's"
+            session.lease_expiry = float(claims["exp"]) if claims.get("exp") else session.lease_expiry
+        old = self._sockets.get(session.id)
+        if session.attached.is_set() and old is not None:
+            try:
+                old.shutdown(socket.SHUT_RDWR)  # the old connection is half-open: end it
+            except OSError:
+                pass
+        if not session.detached.wait(5.0):
+            return None, "the session is still attached to another connection; retry"
+        session.detached.clear()
+        session.attached.set()
+        return session, None
+
+    def _detach(self, session: Session, conn: Connection, ended_cleanly: bool) -> None:
+        """A connection ended: a durable session waits (parked) for its client to come back;
+        any other session is closed and its memory freed."""
+        park = (not ended_cleanly and session.resume_key is not None and not session.ended_reason
+                and not self._closing.is_set())
+        if park:
+            session.peer_op_names = conn.peer_op_names
+            session.parked_until = time.monotonic() + session.resume_grace
+            log.info("session %s parked for %.0f s: its client may reconnect", session.id, session.resume_grace)
+        else:
+            self._close_session(session)
+        session.attached.clear()
+        session.detached.set()
+
+    def _close_session(self, session: Session) -> None:
+        with self._lock:
+            if self.sessions.get(session.id) is not session:
+                return
+            self.sessions.pop(session.id, None)
+            self._sockets.pop(session.id, None)
+        log.info("session %s closed: freed %d bytes in %d storages after %d ops", session.id,
+                 session.bytes_in_use, len(session.storages), session.ops_run)
+        session.close()
+
+    def _read_hello(self, sock: socket.socket, conn: Connection, deadline: float) -> Hello | None:
         while True:
             event = conn.next_event()
             if event is NEED_DATA:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise socket.timeout(f"no handshake within {self.handshake_timeout:g} s")
+                sock.settimeout(remaining)
                 data = sock.recv(65536)
                 conn.receive_data(data)
                 continue
@@ -229,9 +326,17 @@ class NodeServer:
         return None
 
     def _reap_expired_leases(self) -> None:
-        """Ends sessions whose lease expired (frees their memory), once a second."""
+        """Ends sessions whose lease expired and parked sessions whose client did not come back
+        (frees their memory), once a second."""
         while not self._closing.wait(1.0):
             now = time.time()
+            with self._lock:
+                abandoned = [s for s in self.sessions.values()
+                             if s.parked_until is not None and time.monotonic() > s.parked_until]
+            for session in abandoned:
+                log.warning("session %s: its client did not reconnect within %.0f s; freeing it",
+                            session.id, session.resume_grace)
+                self._close_session(session)
             with self._lock:
                 expired = [(s, self._sockets.get(s.id)) for s in self.sessions.values()
                            if s.lease_expiry is not None and now > s.lease_expiry + self.lease_grace]
@@ -244,6 +349,68 @@ class NodeServer:
                     except OSError:
                         pass
 
+    # ------------------------------------------------------------ drain, stale leases, migration
+
+    def set_draining(self, reason: str | None, deadline: float | None = None) -> None:
+        """While draining, every reply to a request is preceded by a drain Notice: each client
+        moves its session away at its next sync point. ``deadline`` (unix time): sessions still
+        here then are ended (clients with checkpoints rebuild elsewhere)."""
+        if reason is None:
+            self.draining = None
+        else:
+            self.draining = {"reason": reason, "deadline": deadline}
+        with self._lock:
+            for session in self.sessions.values():
+                session.drain_notice = self.draining
+        if reason is not None and deadline is not None:
+            self._start_drain_deadline(deadline)
+
+    def _start_drain_deadline(self, deadline: float) -> None:
+        def enforce() -> None:
+            while not self._closing.wait(0.5):
+                if self.draining is None:
+                    return
+                if time.time() >= deadline:
+                    with self._lock:
+                        left = list(self.sessions.values())
+                    for session in left:
+                        self.end_session(session, "the node was drained and the drain deadline passed")
+                    return
+        threading.Thread(target=enforce, daemon=True, name="gpuwire-drain-deadline").start()
+
+    def end_session(self, session: Session, reason: str) -> None:
+        """End a session now (drain deadline, a lease the pool moved elsewhere) and free its memory."""
+        log.warning("session %s: %s", session.id, reason)
+        session.ended_reason = reason
+        sock = self._sockets.get(session.id)
+        if session.parked_until is not None or sock is None:
+            self._close_session(session)
+        else:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def keep_only_leases(self, lease_ids: set[str], admitted_before: float | None = None) -> int:
+        """The pool says which leases live on this node; sessions of any other lease are stale
+        (the pool declared this node dead and moved them) and are ended. Sessions admitted after
+        the pool was asked are left alone (their lease may be newer than the answer)."""
+        with self._lock:
+            stale = [s for s in self.sessions.values() if s.lease_id is not None and s.lease_id not in lease_ids
+                     and (admitted_before is None or s.created < admitted_before)]
+        for session in stale:
+            self.end_session(session, f"lease {session.lease_id} no longer lives on this node")
+        return len(stale)
+
+    def _migrate(self, session: Session, address: str, token: str | None) -> dict:
+        from ..security.tls import client_context_from_env
+        from .migrate import push_session
+
+        # runs in the session's own turn: the session is quiesced (its client waits for this reply)
+        result = push_session(session, address, token, tls_context=client_context_from_env())
+        session.ended_reason = f"moved to {address}"
+        return result
+
     def _refusal(self, hello: Hello) -> str | None:
         try:
             check_hello(hello, __version__)
@@ -255,18 +422,27 @@ class NodeServer:
                 return "invalid or missing token for this node (set GPUWIRE_TOKEN or pass --token)"
         return None
 
-    def _session_loop(self, sock: socket.socket, conn: Connection, session: Session) -> None:
+    def _session_loop(self, sock: socket.socket, conn: Connection, session: Session) -> bool:
+        """Serve one connection of a session; True when the client said Goodbye."""
         handle = session.handle
         next_event = conn.next_event
         turn = self.scheduler.turn
         quantum = self.quantum
+        idle_timeout = self.idle_timeout
+        recent = session.recent_replies
         starved = True
+        last_event = time.monotonic()
         while True:
             if starved:
-                conn.buffer_updated(sock.recv_into(conn.get_buffer(RECV_BYTES)))
+                received = sock.recv_into(conn.get_buffer(RECV_BYTES))
+                conn.buffer_updated(received)
+                if idle_timeout is not None and time.monotonic() - last_event > idle_timeout:
+                    # bytes trickling in without ever completing a command do not hold a slot
+                    raise socket.timeout(f"no complete command for {idle_timeout:g} s")
             replies = []
             closing = False
             starved = False
+            handled = False
             with turn(session):  # run what arrived when the fair scheduler says so, a quantum at most
                 deadline = perf_counter() + quantum
                 while True:
@@ -277,12 +453,32 @@ class NodeServer:
                     if event is CLOSED or type(event) is Goodbye:
                         closing = True
                         break
-                    reply = handle(event)
+                    handled = True
+                    cls = type(event)
+                    seq = event.seq
+                    if seq <= session.replay_floor and seq and cls is not Read:
+                        continue  # resent after a reconnect, but this node already ran it
+                    if cls is Restore:
+                        reply = None
+                        try:
+                            session.restore(event)
+                        except Exception as exc:  # noqa: BLE001
+                            session._fail(seq, "Restore", exc)
+                    else:
+                        reply = handle(event)
+                    if seq > session.applied_seq:
+                        session.applied_seq = seq
                     if reply is not None:
+                        if session.drain_notice is not None:
+                            replies.extend(conn.send_parts(Notice(kind="drain", data=session.drain_notice)))
+                        if type(reply) is not Data:
+                            recent.append(reply)
                         replies.extend(conn.send_parts(reply))
                     if perf_counter() > deadline:
                         break  # let other sessions run; the rest of this batch waits its next turn
+            if handled:
+                last_event = time.monotonic()
             if replies:
                 send_parts(sock, replies)
             if closing:
-                return
+                return event is not CLOSED

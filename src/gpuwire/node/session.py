@@ -8,8 +8,10 @@ bounds before a view of it is made, so no descriptor can read outside what it ow
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
+import time
 import uuid
 import warnings
 
@@ -46,6 +48,15 @@ DTYPE_CODE = {dt: code for code, dt in enumerate(TORCH_DTYPES) if dt is not None
 MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d, torch.preserve_format)
 LAYOUTS = tuple(getattr(torch, name, None) for name in codec.LAYOUT_NAMES)
 NODE_ID_BASE = 1 << 60  # node-chosen storage ids live above every client-chosen one
+VIEW_CACHE_MAX = 4096  # cached descriptor views per session
+# in-place ops that write every element of ``self`` and read none: a fresh storage they fill
+# need not be zeroed first
+OVERWRITES_SELF = frozenset({
+    "aten::copy_", "aten::copy_.default", "aten::fill_.Scalar", "aten::fill_.Tensor", "aten::zero_",
+    "aten::bernoulli_.float", "aten::bernoulli_.Tensor", "aten::normal_", "aten::uniform_", "aten::random_",
+    "aten::random_.from", "aten::random_.to", "aten::exponential_", "aten::geometric_", "aten::cauchy_",
+    "aten::log_normal_",
+})
 MAX_INLINE_BYTES = 1 << 20
 
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
@@ -112,25 +123,62 @@ class Session:
         self.client_pid = 0
         self.client_version = ""
         self.last_seq = 0
+        # failover: the highest command seq applied; commands at or below ``replay_floor`` that
+        # a resumed client resends are skipped (never run twice); replies kept for a resume
+        self.applied_seq = 0
+        self.replay_floor = 0
+        self.recent_replies = collections.deque(maxlen=16)
+        self.resume_key: str | None = None
+        self.resume_grace = 0.0
+        self.parked_until: float | None = None
+        self.peer_op_names: list[str] = []
+        self.migrate_hook = None
+        self.drain_notice: dict | None = None
+        self.created = time.monotonic()
+        self.attached = threading.Event()  # a connection serves this session now
+        self.attached.set()
+        self.detached = threading.Event()  # set once that connection has let go
         self.ops_run = 0
         self._next_node_id = NODE_ID_BASE
         self._live_ptrs: set[int] = set()
         self._empty = {}  # dtype -> empty tensor used as the base of views
+        self._views: dict = {}  # descriptor bytes -> (storage id, storage, view, sizes, strides, offset)
+        self._view_keys: dict = {}  # storage id -> descriptors cached in _views
+        # ``Tensor.get_device()`` of this session's tensors (-1: the CPU)
+        self._device_index = -1 if self.device.type == "cpu" else (self.device.index or 0)
+        self._overwriting = None  # storage id an op is filling in place of zeroing it
 
     # ------------------------------------------------------------ decoding hooks
 
     def ext_hook(self, code: int, data: bytes):
         """msgpack ext hook: wire values straight into node objects, checked."""
         if code == codec.EXT_TENSOR:
+            # the same descriptor (a parameter, an optimizer state, a live activation) arrives
+            # again and again: reuse its view while the storage and the view's metadata are
+            # unchanged (a kernel may resize an out= argument in place)
+            hit = self._views.get(data)
+            if hit is not None:
+                storage_id, storage, t, sizes, strides, offset = hit
+                if (self.storages.get(storage_id) is storage and t.shape == sizes and t.stride() == strides
+                        and t.storage_offset() == offset):
+                    return t
             fields = codec.unpack_tensor_ref_fields(data)
             try:
-                return self.view(*fields)
+                t = self.view(*fields)
             except SessionError as exc:
                 # well-formed but not allowed (foreign id, out of bounds): the command fails,
                 # the session goes on; ``handle`` reports it
                 if self.decode_error is None:
                     self.decode_error = exc
                 return None
+            storage_id = fields[0]
+            if len(self._views) >= VIEW_CACHE_MAX:
+                self._views.clear()
+                self._view_keys.clear()
+            if hit is None:
+                self._view_keys.setdefault(storage_id, []).append(data)
+            self._views[data] = (storage_id, self.storages[storage_id], t, fields[2], fields[3], fields[1])
+            return t
         if code == codec.EXT_DTYPE:
             if len(data) != 1:
                 raise codec.DecodeError("malformed dtype")
@@ -191,24 +239,17 @@ class Session:
             raise SessionError(f"storage {storage_id:#x} is not allocated in this session "
                                "(freed, never allocated, or owned by another session)")
         dtype = self._dtype(dtype_code)
-        itemsize = dtype.itemsize
-        numel_nonzero = all(sizes)
-        if numel_nonzero:
-            low = high = offset
-            for size, stride in zip(sizes, strides):
-                step = (size - 1) * stride
-                if step < 0:
-                    low += step
-                else:
-                    high += step
-            if low < 0 or (high + 1) * itemsize > storage.nbytes():
-                raise SessionError(
-                    f"tensor view (offset {offset}, sizes {list(sizes)}, strides {list(strides)}, {dtype}) reaches "
-                    f"outside its storage of {storage.nbytes()} bytes")
+        high = offset
+        for size, stride in zip(sizes, strides):
+            if stride < 0:
+                raise SessionError("negative strides are not supported")
+            high += (size - 1) * stride
         # an empty view reads nothing, so its offset may lie past the end, as on CPU/CUDA
         # (``narrow``/negative padding of an edge gives one)
-        if any(s < 0 for s in strides):
-            raise SessionError("negative strides are not supported")
+        if all(sizes) and (high + 1) * dtype.itemsize > storage.nbytes():
+            raise SessionError(
+                f"tensor view (offset {offset}, sizes {list(sizes)}, strides {list(strides)}, {dtype}) reaches "
+                f"outside its storage of {storage.nbytes()} bytes")
         base = self._empty.get(dtype)
         if base is None:
             base = self._empty[dtype] = torch.empty(0, dtype=dtype, device=self.device)
@@ -256,14 +297,16 @@ class Session:
                 self._live_ptrs.discard(storage.data_ptr())
 
     def allocate(self, storage_id: int, nbytes: int, zero: bool = True) -> None:
-        if storage_id >= NODE_ID_BASE:
+        if storage_id >= NODE_ID_BASE and not storage_id < self._next_node_id:
+            # below the counter is a node-chosen id being restored (failover, migration)
             raise SessionError(f"storage id {storage_id:#x} is in the node's range")
         self._settle_unzeroed()
         self.check_budget(nbytes)
-        if zero:
-            # zeroed: a tenant never reads what an earlier one left in device memory
-            self._store(storage_id, torch.zeros(nbytes, dtype=torch.uint8, device=self.device).untyped_storage())
-            return
+        # Zeroed, so that a tenant never reads what an earlier one left in device memory — but
+        # lazily: the next command decides. Writes covering it in order (``overwrite``, an
+        # upload), or an op that writes all of it without reading it (``empty_like(x).bernoulli_``,
+        # ``clone``'s ``copy_``, ``zeros``' ``fill_``), leave nothing to zero; any other command,
+        # or a failure of that op, zeroes it first (``_settle_unzeroed``, ``handle``).
         self._store(storage_id, torch.empty(nbytes, dtype=torch.uint8, device=self.device).untyped_storage())
         self._unzeroed = [storage_id, 0, nbytes]
 
@@ -278,11 +321,28 @@ class Session:
 
     def _covers_unzeroed(self, event) -> bool:
         pending = self._unzeroed
-        if (pending is not None and type(event) is Write and event.storage_id == pending[0]
-                and event.byte_offset == pending[1]):
+        if pending is None:
+            return False
+        cls = type(event)
+        if cls is Write and event.storage_id == pending[0] and event.byte_offset == pending[1]:
             pending[1] += len(event.payload)
             if pending[1] >= pending[2]:
                 self._unzeroed = None
+            return True
+        if cls is Op and event.name in OVERWRITES_SELF and not pending[1] and event.args:
+            storage = self.storages.get(pending[0])
+            target = event.args[0]
+            if (storage is None or not isinstance(target, torch.Tensor) or target.storage_offset()
+                    or target.numel() * target.element_size() != pending[2] or not pending[2]):
+                return False
+            ptr = storage.data_ptr()
+            if target.untyped_storage().data_ptr() != ptr or not _dense(target):
+                return False
+            for value in (*event.args[1:], *event.kwargs.values()):  # a source must not be the garbage itself
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == ptr:
+                    return False
+            self._unzeroed = None
+            self._overwriting = pending[0]  # zeroed after all if the op fails (``handle``)
             return True
         return False
 
@@ -307,14 +367,18 @@ class Session:
                 self._settle_unzeroed()
             if cls is Op:
                 self._run_op(event)
+                self._overwriting = None
                 return None
             if cls is Alloc:
                 self.allocate(event.storage_id, event.nbytes, zero=not event.overwrite)
                 return None
             if cls is Free:
+                views, view_keys = self._views, self._view_keys
                 for sid in event.storage_ids:
                     if type(sid) is int:
                         self._release(sid)
+                        for data in view_keys.pop(sid, ()):
+                            views.pop(data, None)
                 return None
             if cls is Write:
                 self._write(event)
@@ -334,6 +398,11 @@ class Session:
                 return None
         except Exception as exc:  # noqa: BLE001 - any failure is the client's to see
             self._fail(seq, _describe(event), exc)
+            if self._overwriting is not None:  # the op that was to write all of it did not
+                storage_id, self._overwriting = self._overwriting, None
+                storage = self.storages.get(storage_id)
+                if storage is not None and storage.nbytes():
+                    self._bytes_view(storage_id, 0, storage.nbytes()).zero_()
             if cls is Op:
                 self._fill_outs(event)
             return self._take_error(seq) if cls.expects_reply else None
@@ -370,39 +439,82 @@ class Session:
         """Bytes this session may still allocate: its budget, else the device's memory."""
         if self.memory_budget is not None:
             return self.memory_budget - self.bytes_in_use
+        return self._device_memory() - self.bytes_in_use
+
+    def _guard_allocation(self, event: Op | CallSync, fn) -> None:
+        """Refuse, before running, an op whose results could not fit, so a hostile client
+        cannot make the node allocate the machine away: the sizes the client declared, and
+        the sizes a run of the op on meta tensors computes from the real arguments' shapes,
+        strides and dtypes (``repeat`` with huge repeats, ``new_empty``, broadcasting,
+        factories). The meta answer is cached per (op, argument signature), so an op seen
+        before costs one signature and one dict lookup. An op may not grow an existing
+        storage (an out= tensor of the wrong size): that memory would escape the budget."""
+        outs = getattr(event, "outs", None)  # (a CallSync declares nothing)
+        room = None
+        if outs:
+            declared = 0
+            for out in outs:
+                if type(out) is list and len(out) > 1 and type(out[1]) is int:
+                    declared += out[1]
+            room = self._room()
+            if declared > room:
+                raise _no_room(event.name, declared, room)
+        name = event.name
+        kind = _OP_KINDS.get(name)
+        if kind is None:
+            kind = _OP_KINDS[name] = _op_kind(name, fn)
+        if kind is _IN_PLACE:
+            return  # writes only into its first argument, whose size it cannot change
+        args, kwargs = event.args, event.kwargs
+        if kind is _RECOMPUTE:  # the inner aten op runs here: check that one
+            name, fn, args, kwargs = _recomputed_op(name, args)
+            kind = _OP_KINDS.get(name) or _OP_KINDS.setdefault(name, _op_kind(name, fn))
+            if kind is _IN_PLACE:
+                return
+        # out= ops return their out= arguments, whose result shapes do not depend on strides:
+        # their signature leaves strides out (the hot path of structured kernels)
+        strided = kind is not _OUT
+        key = _signature(name, args, kwargs, strided)
+        try:
+            cost = _META_COSTS[key]
+        except KeyError:
+            cost = _META_COSTS[key] = _meta_cost(fn, args, kwargs, strided)
+            if len(_META_COSTS) > _META_COSTS_MAX:
+                _META_COSTS.clear()
+        except Exception:  # noqa: BLE001 - an unhashable argument (a msgpack map): no caching
+            cost = _meta_cost(fn, args, kwargs, strided)
+        fresh, grown, resized, widest = cost
+        if widest > _LARGE and widest > self._device_memory():
+            # a zero-stride view passes the bounds check however large it is; a kernel over it
+            # would hold the device (and every other session) for minutes
+            raise SessionError(
+                f"gpuwire: {name} was given a tensor of {format_size(widest)} (a broadcast view), more than this "
+                f"device's {format_size(self._device_memory())} of memory; refused, since running it would "
+                "occupy the device for every session: reduce the broadcast sizes")
+        how = "computed by its meta kernel from the arguments' shapes"
+        if kind is _VALUE_SIZED:
+            bound = _value_sized_bytes(name, args, kwargs)
+            if bound is not None and bound > fresh:
+                fresh, how = bound, "computed from its arguments' values"
+        if fresh < 0:
+            return  # no meta answer (no meta kernel, invalid arguments): the real run decides
+        if resized is not None or grown:
+            what = (f"resize an argument of shape {list(resized[0])} to {list(resized[1])}" if resized is not None
+                    else f"grow an existing storage by {format_size(grown)}")
+            raise SessionError(
+                f"gpuwire: {name} would {what}; a node never resizes a tensor it was given in place, "
+                "since that memory would escape the session's budget: pass out= tensors of the result's shape")
+        if fresh:
+            if room is None:
+                room = self._room()
+            if fresh > room:
+                raise _no_room(name, fresh, room, how)
+
+    def _device_memory(self) -> int:
+        """Bytes of memory the device has (the CPU backend: the host's)."""
         if self._device_bytes is None:
             self._device_bytes = int(self.backend.describe().get("total_memory") or 0) or (1 << 62)
-        return self._device_bytes - self.bytes_in_use
-
-    def _guard_allocation(self, event: Op, fn) -> None:
-        """Refuse, before running, an op whose results could not fit: the sizes the client
-        declared, and for ops with no tensor argument (factories, which our client never sends
-        whole) the sizes a meta run computes. A hostile client cannot make the node allocate
-        the machine away this way."""
-        room = self._room()
-        declared = 0
-        for out in event.outs:
-            if type(out) is list and len(out) > 1 and type(out[1]) is int:
-                declared += out[1]
-        if declared > room:
-            raise _no_room(event.name, declared, room)
-        if any(isinstance(a, torch.Tensor) for a in event.args) or any(
-                isinstance(v, torch.Tensor) for v in event.kwargs.values()):
-            return
-        if any(isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a) for a in event.args):
-            return
-        meta = torch.device("meta")
-        kwargs = {k: (meta if isinstance(v, torch.device) else v) for k, v in event.kwargs.items()}
-        args = [meta if isinstance(a, torch.device) else a for a in event.args]
-        if "device" not in kwargs:
-            kwargs["device"] = meta
-        try:
-            result = fn(*args, **kwargs)
-        except Exception:  # noqa: BLE001 - no meta answer: the real run reports its own error
-            return
-        needed = sum(t.untyped_storage().nbytes() for t in tensor_leaves(result))
-        if needed > room:
-            raise _no_room(event.name, needed, room)
+        return self._device_bytes
 
     def _run_op(self, event: Op) -> None:
         fn = self.ops.resolve(event.name)
@@ -412,7 +524,7 @@ class Session:
             result = fn(*event.args, **event.kwargs)
         self.ops_run += 1
         if event.outs:
-            tensors = tensor_leaves(result)
+            tensors = [result] if type(result) is torch.Tensor else tensor_leaves(result)
             if len(tensors) != len(event.outs):
                 raise SessionError(f"{event.name} returned {len(tensors)} tensors, the client expected {len(event.outs)}")
             for tensor, out in zip(tensors, event.outs):
@@ -426,11 +538,13 @@ class Session:
             raise SessionError("bad output storage id")
         dtype = self._dtype(dtype_code)
         storage = tensor.untyped_storage()
-        if (tensor.dtype is not dtype or tensor.storage_offset() != 0 or tuple(tensor.shape) != tuple(sizes)
-                or (tensor.numel() > 1 and tensor.stride() != tuple(strides)) or tensor.device != self.device
+        sizes, strides = tuple(sizes), tuple(strides)
+        have = storage.nbytes()
+        if (tensor.dtype is not dtype or tensor.storage_offset() != 0 or tensor.shape != sizes
+                or (tensor.stride() != strides and tensor.numel() > 1) or tensor.get_device() != self._device_index
                 or tensor.is_conj() or tensor.is_neg()
-                or storage.nbytes() < nbytes or (storage.nbytes() and storage.data_ptr() in self._live_ptrs)):
-            if tuple(tensor.shape) != tuple(sizes):
+                or have < nbytes or (have and storage.data_ptr() in self._live_ptrs)):
+            if tensor.shape != sizes:
                 # copy_ would broadcast (silently wrong) or fail with a baffling message
                 raise SessionError(
                     f"the kernel returned an output of shape {list(tensor.shape)} where the client's shape "
@@ -525,7 +639,49 @@ class Session:
             return list(value)
         raise SessionError(f"cannot return a value of type {type(value).__name__}")
 
+    # ------------------------------------------------------------ moving a session (docs/failover.md)
+
+    def export_state(self) -> dict:
+        """Everything but the storages a rebuilt session needs to continue this one's stream."""
+        with self.rng.lock:
+            if self.rng.owner is self:
+                state = self.rng.generator.get_state()
+            else:
+                state = self.rng_state
+        rng = bytes(state.numpy().tobytes()) if state is not None else b""
+        generators = [[gid, bytes(gen.get_state().numpy().tobytes())] for gid, gen in self.generators.items()]
+        return {"rng_state": rng, "generators": generators, "next_node_id": self._next_node_id,
+                "last_seq": self.applied_seq}
+
+    def restore(self, event) -> None:
+        """Apply a ``Restore``: generator states, the node-chosen id counter, the applied seq."""
+        if event.rng_state:
+            state = torch.frombuffer(bytearray(event.rng_state), dtype=torch.uint8).clone()
+            with self.rng.lock:
+                self.rng.acquire(self)
+                self.rng.generator.set_state(state)
+                self.rng_state = state
+        for item in event.generators:
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[1], bytes)):
+                raise SessionError("malformed generator state in Restore")
+            self.generator(item[0]).set_state(torch.frombuffer(bytearray(item[1]), dtype=torch.uint8).clone())
+        if event.next_node_id:
+            if not NODE_ID_BASE <= event.next_node_id < (1 << 63):
+                raise SessionError("node id counter out of range in Restore")
+            self._next_node_id = max(self._next_node_id, event.next_node_id)
+        self.applied_seq = max(self.applied_seq, event.last_seq)
+
     def _query(self, what: str):
+        if what == "snapshot":
+            return self.export_state()
+        if what.startswith("migrate:") and self.migrate_hook is not None:
+            import json
+            try:
+                target = json.loads(what[len("migrate:"):])
+                address, token = str(target["address"]), target.get("token")
+            except (ValueError, KeyError, TypeError):
+                raise SessionError('malformed migrate query: expected migrate:{"address": ..., "token": ...}') from None
+            return self.migrate_hook(self, address, token if isinstance(token, str) else None)
         if what == "device":
             return self.backend.describe()
         if what == "memory":
@@ -550,11 +706,306 @@ class Session:
         raise SessionError(f"unknown query {what!r}")
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers each element of its extent exactly once (any dim order)."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _describe(event) -> str:
     name = getattr(event, "name", None)
     return name or type(event).__name__
 
 
-def _no_room(op: str, nbytes: int, room: int) -> torch.OutOfMemoryError:
-    return torch.OutOfMemoryError(f"gpuwire: {op} would allocate {format_size(nbytes)}, more than the "
-                                  f"{format_size(max(room, 0))} this session has left")
+def _no_room(op: str, nbytes: int, room: int, how: str = "") -> torch.OutOfMemoryError:
+    how = f" ({how})" if how else ""
+    return torch.OutOfMemoryError(f"gpuwire: {op} would allocate {format_size(nbytes)}{how}, more than the "
+                                  f"{format_size(max(room, 0))} this session has left. Free tensors, use smaller "
+                                  "sizes, or ask for a larger memory budget")
+
+
+# ---------------------------------------------------------------- allocation guard: meta check
+#
+# ``Session._guard_allocation`` runs every op on meta tensors (shapes, strides, dtypes; no
+# memory) before the real run, and refuses it if its results cannot fit, if it would resize a
+# tensor it was given, or if an argument is a broadcast view larger than the whole device (a
+# kernel over it would hold the device for minutes). The answer depends only on the op and its
+# argument signature, so it is cached process-wide (all sessions).
+# A signature is a flat tuple that cannot be ambiguous: a tensor contributes (sizes, strides,
+# dtype), a list a tuple opened by ``_LIST``, a non-int scalar its value then its type (so
+# 1, 1.0 and True differ), keyword arguments follow ``_KWARGS``.
+
+_TENSOR = torch.Tensor
+_META = torch.device("meta")
+_LIST = object()
+_KWARGS = object()
+_IN_PLACE, _OUT, _CHECKED, _RECOMPUTE, _VALUE_SIZED = "in-place", "out=", "checked", "recompute", "value-sized"
+_OP_KINDS: dict[str, str] = {}
+_LARGE = 1 << 30  # arguments below this many bytes need no comparison with the device's memory
+_META_COSTS: dict = {}  # signature -> _meta_cost(...) (fresh bytes, growth, resize, largest argument)
+_META_COSTS_MAX = 1 << 14  # entries; the cache is cleared when full (a client cannot grow it without bound)
+_NO_ALLOCATION_OPS = ("gpuwire::generator_manual_seed", "gpuwire::generator_get_state",
+                      "gpuwire::generator_set_state")
+
+
+def _op_kind(name: str, fn) -> str:
+    """How the guard treats op ``name`` (decided once per op name, from its schema)."""
+    if name in _VALUE_SIZED_OPS:
+        return _VALUE_SIZED
+    if name in ("gpuwire::forward_with_rng", "gpuwire::backward_by_recompute"):
+        return _RECOMPUTE
+    if name in _NO_ALLOCATION_OPS:
+        return _IN_PLACE
+    schema = getattr(fn, "_schema", None)
+    if schema is None:
+        return _CHECKED
+    arguments = schema.arguments
+    written = [i for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write]
+    returns_written = all(r.alias_info is not None and r.alias_info.is_write for r in schema.returns)
+    outs = [i for i, a in enumerate(arguments) if a.is_out]
+    # in-place on its first argument only (add_, fill_, _foreach_mul_ ...): no fresh memory, and
+    # the ops that resize their argument (resize_, set_ ...) are refused by name in node/ops.py
+    if written == [0] and not outs and returns_written:
+        return _IN_PLACE
+    if outs and written == outs and returns_written:
+        return _OUT
+    return _CHECKED
+
+
+def _signature(name: str, args, kwargs, strided: bool) -> tuple:
+    key = [name]
+    add = key.append
+    for a in args:
+        tp = type(a)
+        if tp is _TENSOR:
+            add(a.shape)
+            if strided:
+                add(a.stride())
+            add(a.dtype)
+        elif tp is int or a is None:
+            add(a)
+        elif tp is list:
+            add(_list_signature(a, strided))
+        else:
+            add(a)
+            add(tp)
+    if kwargs:
+        add(_KWARGS)
+        for k, a in kwargs.items():
+            add(k)
+            tp = type(a)
+            if tp is _TENSOR:
+                add(a.shape)
+                if strided:
+                    add(a.stride())
+                add(a.dtype)
+            elif tp is int or a is None:
+                add(a)
+            elif tp is list:
+                add(_list_signature(a, strided))
+            else:
+                add(a)
+                add(tp)
+    return tuple(key)
+
+
+def _list_signature(values: list, strided: bool) -> tuple:
+    key = [_LIST]
+    add = key.append
+    for a in values:
+        tp = type(a)
+        if tp is _TENSOR:
+            add(a.shape)
+            if strided:
+                add(a.stride())
+            add(a.dtype)
+        elif tp is int or a is None:
+            add(a)
+        elif tp is list:
+            add(_list_signature(a, strided))
+        else:
+            add(a)
+            add(tp)
+    return tuple(key)
+
+
+def _to_meta(value, made: list, strided: bool):
+    if isinstance(value, torch.Tensor):
+        made.append(value)
+        return _META_PLACEHOLDER
+    if isinstance(value, torch.device):
+        return _META
+    if isinstance(value, torch.Generator):
+        return None  # meta kernels draw nothing; a node generator would not match the device
+    if type(value) is list:
+        return [_to_meta(v, made, strided) for v in value]
+    return value
+
+
+_META_PLACEHOLDER = object()
+_NO_ANSWER = -1
+
+
+def _meta_cost(fn, args, kwargs, strided: bool = True) -> tuple:
+    """What one run of ``fn`` on meta copies of the arguments (their shapes, dtypes and, when
+    ``strided``, strides) allocates: (bytes of fresh results or _NO_ANSWER when the op has no
+    meta answer for these arguments, bytes by which argument storages grow, (old, new) shape
+    of an argument it resizes or None, bytes of the largest argument counted element by
+    element)."""
+    tensors: list = []
+    try:
+        args = [_to_meta(a, tensors, strided) for a in args]
+        kwargs = {k: _to_meta(v, tensors, strided) for k, v in kwargs.items()}
+    except Exception:  # noqa: BLE001
+        return _NO_ANSWER, 0, None, 0
+    from math import prod
+    widest = max((prod(t.shape) * t.element_size() for t in tensors), default=0)
+    made = []
+    try:
+        for t in tensors:
+            made.append(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=_META) if strided
+                        else torch.empty(t.shape, dtype=t.dtype, device=_META))
+    except Exception:  # noqa: BLE001 - a layout without strides, sizes that overflow
+        return _NO_ANSWER, 0, None, widest
+    fill = iter(made)
+    args = _fill_placeholders(args, fill)
+    kwargs = {k: _fill_placeholders(v, fill) for k, v in kwargs.items()}
+    if not made:  # a factory: make it build on meta
+        kwargs.setdefault("device", _META)
+    if kwargs.get("pin_memory"):
+        kwargs["pin_memory"] = False
+    before = [(m.shape, m.untyped_storage().nbytes()) for m in made]
+    try:
+        result = fn(*args, **kwargs)
+        return (*_measure(made, before, result), widest)
+    except Exception:  # noqa: BLE001 - no meta kernel, data-dependent sizes, invalid arguments
+        return _NO_ANSWER, 0, None, widest
+
+
+def _fill_placeholders(value, fill):
+    if value is _META_PLACEHOLDER:
+        return next(fill)
+    if type(value) is list:
+        return [_fill_placeholders(v, fill) for v in value]
+    return value
+
+
+def _measure(made: list, before: list, result) -> tuple:
+    known = set()
+    grown = 0
+    resized = None
+    for meta, (shape, nbytes) in zip(made, before):
+        storage = meta.untyped_storage()
+        known.add(storage._cdata)
+        if storage.nbytes() > nbytes:
+            grown += storage.nbytes() - nbytes
+        if resized is None and meta.shape != shape and meta.numel():  # (resizing to empty frees nothing)
+            resized = (tuple(shape), tuple(meta.shape))
+    fresh = 0
+    for t in tensor_leaves(result):
+        storage = t.untyped_storage()
+        if storage._cdata not in known:
+            known.add(storage._cdata)
+            fresh += storage.nbytes()
+    return fresh, grown, resized
+
+
+def _recomputed_op(name: str, args):
+    """The aten op that ``gpuwire::forward_with_rng`` / ``backward_by_recompute`` runs, with its
+    arguments (the backward's gradients are shaped like the arguments, so the forward decides)."""
+    from .composite import resolve_aten
+    inner = args[0] if args else None
+    rest = args[1:] if name == "gpuwire::forward_with_rng" else args[3:]
+    return inner, resolve_aten(inner), rest, {}
+
+
+def _arg(args, kwargs, index: int, key: str, default=None):
+    if len(args) > index:
+        return args[index]
+    return kwargs.get(key, default)
+
+
+def _as_count(value) -> int:
+    """A non-negative int from a python number or a one-element tensor."""
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    return max(int(value), 0)
+
+
+def _value_sized_bytes(name: str, args, kwargs):
+    """Bytes an op whose result size depends on the *values* of its tensor arguments would
+    allocate (meta kernels cannot tell), read from those values; None if they are unusable
+    (the real run then reports its own error)."""
+    try:
+        return _VALUE_SIZED_OPS[name](args, kwargs)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _bincount_bytes(args, kwargs):
+    x, minlength = args[0], _as_count(_arg(args, kwargs, 2, "minlength", 0))
+    length = max(minlength, _as_count(x.max()) + 1 if x.numel() else 0)
+    return length * 8
+
+
+def _one_hot_bytes(args, kwargs):
+    x, classes = args[0], int(_arg(args, kwargs, 1, "num_classes", -1))
+    if classes < 0:
+        classes = _as_count(x.max()) + 1 if x.numel() else 0
+    return x.numel() * classes * 8
+
+
+def _repeat_interleave_bytes(args, kwargs):
+    repeats = args[0]
+    return _as_count(repeats.sum()) * 8 if repeats.numel() else 0
+
+
+def _repeat_interleave_self_bytes(args, kwargs):
+    x, repeats, dim = args[0], args[1], _arg(args, kwargs, 2, "dim")
+    length = x.numel() if dim is None else x.shape[dim]
+    total = _as_count(repeats.sum()) if repeats.numel() != 1 else _as_count(repeats) * length
+    row = 1 if dim is None or not length else x.numel() // length
+    return total * row * x.element_size() + total * 8  # the result, and the index it gathers with
+
+
+def _combinations_bytes(args, kwargs):
+    x, r = args[0], _as_count(_arg(args, kwargs, 1, "r", 2))
+    n = x.numel() + (1 if _arg(args, kwargs, 2, "with_replacement", False) else 0)
+    grid = n ** r
+    return grid * (1 + r * x.element_size())  # masks over the n**r grid, then the selected values
+
+
+def _pad_packed_sequence_bytes(args, kwargs):
+    data, batch_sizes = args[0], args[1]
+    total_length = int(_arg(args, kwargs, 4, "total_length", 0))
+    steps = max(total_length, batch_sizes.numel())
+    batch = _as_count(batch_sizes[0]) if batch_sizes.numel() else 0
+    row = data.numel() // data.shape[0] if data.dim() and data.shape[0] else 0
+    return steps * batch * row * data.element_size() + batch * 8
+
+
+def _padded_dense_to_jagged_bytes(args, kwargs):
+    dense, offsets = args[0], args[1]
+    total = _arg(args, kwargs, 2, "total_L")
+    total = _as_count(total) if total is not None else _as_count(offsets[0][-1])
+    row = dense.numel() // max(dense.shape[0] * dense.shape[1], 1) if dense.dim() >= 2 else 1
+    return total * row * dense.element_size()
+
+
+_VALUE_SIZED_OPS = {
+    "aten::bincount": _bincount_bytes,
+    "aten::one_hot": _one_hot_bytes,
+    "aten::repeat_interleave.Tensor": _repeat_interleave_bytes,
+    "aten::repeat_interleave.self_Tensor": _repeat_interleave_self_bytes,
+    "aten::combinations": _combinations_bytes,
+    "aten::_pad_packed_sequence": _pad_packed_sequence_bytes,
+    "aten::_padded_dense_to_jagged_forward": _padded_dense_to_jagged_bytes,
+}

@@ -39,13 +39,15 @@ class AgentError(RuntimeError):
 
 class NodeAgent:
     def __init__(self, pool_url: str, node_id: str, address: str, gpus: list[dict], *, api_key: str | None = None,
-                 labels: dict | None = None, usage: Callable[[], dict] | None = None, version: str = ""):
+                 labels: dict | None = None, usage: Callable[[], dict] | None = None, version: str = "",
+                 on_heartbeat: Callable[[dict, float], None] | None = None):
         self.client = PoolClient(pool_url, api_key, timeout=5.0)
         self.node_id = node_id
         self.address = address
         self.gpus = gpus
         self.labels = labels or {}
         self.usage = usage
+        self.on_heartbeat = on_heartbeat  # (pool's reply, monotonic time the heartbeat was sent)
         self.version = version
         self.boot_id = uuid.uuid4().hex
         self.interval = 2.0
@@ -95,9 +97,12 @@ class NodeAgent:
                         usage = self.usage()
                     except Exception:  # noqa: BLE001 - usage is informative only
                         usage = None
+                sent = time.monotonic()
                 reply = self.client.heartbeat(self.node_id, boot_id=self.boot_id, usage=usage)
                 self.interval = float(reply.get("heartbeat_interval") or self.interval)  # the pool may change it
                 self.heartbeats += 1
+                if self.on_heartbeat is not None:
+                    self.on_heartbeat(reply, sent)
                 self._unreachable_logged = False
             except PoolUnreachable as exc:
                 if not self._unreachable_logged:
@@ -142,6 +147,21 @@ def server_usage(server) -> Callable[[], dict]:
     return usage
 
 
+def server_follower(server) -> Callable[[dict, float], None]:
+    """What a heartbeat's reply makes a ``NodeServer`` do: end sessions of leases the pool moved
+    elsewhere (after it declared this node dead, say), and start or stop draining."""
+    def follow(reply: dict, sent: float) -> None:
+        leases = reply.get("leases")
+        if isinstance(leases, list):
+            server.keep_only_leases({str(x) for x in leases}, admitted_before=sent)
+        drain = reply.get("drain")
+        if isinstance(drain, dict) and server.draining is None:
+            server.set_draining(str(drain.get("reason") or "draining"), drain.get("deadline"))
+        elif reply.get("state") == "alive" and server.draining is not None:
+            server.set_draining(None)
+    return follow
+
+
 def default_node_id(port: int) -> str:
     return f"{socket.gethostname().split('.')[0] or 'node'}-{port}"
 
@@ -172,7 +192,7 @@ def start_agent(pool_url: str, *, backend_info: dict, host: str, port: int, node
         all_labels.setdefault(key.strip(), value.strip())
     agent = NodeAgent(pool_url, node_id or default_node_id(port), advertise or default_address(host, port), [gpu],
                       api_key=api_key, labels=all_labels, usage=server_usage(server) if server is not None else None,
-                      version=__version__)
+                      version=__version__, on_heartbeat=server_follower(server) if server is not None else None)
     agent.start()
     return agent
 

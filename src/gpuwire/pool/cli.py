@@ -91,6 +91,9 @@ def pool_command(
     tls_key: Optional[str] = typer.Option(None, help="Private key of --tls-cert."),
     tls_client_ca: Optional[str] = typer.Option(None, help="Require client certificates signed by this CA."),
     insecure: bool = typer.Option(False, help="Allow plain HTTP on a non-loopback address (not recommended)."),
+    rate_limit: Optional[str] = typer.Option(None, envvar="GPUWIRE_POOL_RATE_LIMIT",
+                                             help="Requests/s per API key by role, RATE/BURST or off (default: "
+                                                  "tenant=20/40,node=100/200,admin=off,failed-auth=5/30)."),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
     exit_with_stdin: bool = typer.Option(False, "--exit-with-stdin", hidden=True,
                                          help="Exit when stdin closes (used by gpuwire demo)."),
@@ -112,7 +115,8 @@ def pool_command(
     config = PoolConfig(heartbeat_interval=heartbeat_interval, heartbeat_misses=heartbeat_misses, lease_ttl=lease_ttl,
                         max_sessions_per_gpu=max_sessions_per_gpu, restart_grace=restart_grace)
     raise typer.Exit(run(host, port, db, admin_key=admin_key, config=config, log_level=log_level.lower(),
-                         tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca, insecure=insecure))
+                         tls_cert=tls_cert, tls_key=tls_key, tls_client_ca=tls_client_ca, insecure=insecure,
+                         rate_limits=rate_limit))
 
 
 # ---------------------------------------------------------------- tenants and keys
@@ -319,6 +323,57 @@ def _tenants_table(tenants: list[dict]):
 
 # ---------------------------------------------------------------- demo
 
+# ---------------------------------------------------------------- drain
+
+def drain_command(
+    node: str = typer.Argument(..., help="The node's id (gpuwire ls nodes)."),
+    deadline: Optional[float] = typer.Option(
+        None, help="Seconds the sessions get to move; sessions still there then are ended (clients with "
+                   "checkpoints rebuild elsewhere). Default: no deadline."),
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait until every session has moved off."),
+    timeout: float = typer.Option(3600.0, help="With --wait: give up waiting after this many seconds."),
+    pool: Optional[str] = POOL_OPTION, api_key: Optional[str] = KEY_OPTION, as_json: bool = JSON_OPTION,
+):
+    """Take a node out of service without stopping its jobs: the pool places nothing new on it, and
+    each session moves to another node at its next sync point (tensors copied node to node). The
+    node leaves the pool (state 'drained') once empty; `gpuwire undrain NODE` takes it back."""
+    client = _client(pool, api_key)
+    view = _call(client.drain_node, node, deadline=deadline)
+    leases = sum(len(g.get("leases") or ()) for g in view.get("gpus", ()))
+    if not as_json:
+        typer.echo(f"gpuwire: draining {node}: {leases} session(s) to move"
+                   + (f", deadline {deadline:g} s" if deadline else ""), err=True)
+    started, last = time.monotonic(), None
+    while wait and view.get("state") == "draining":
+        if time.monotonic() - started > timeout:
+            _fail(f"{node} still has sessions after {timeout:g} s; it stays draining (see `gpuwire ls nodes`)")
+        time.sleep(0.5)
+        view = _call(client.node, node)
+        left = sum(len(g.get("leases") or ()) for g in view.get("gpus", ()))
+        if left != last and not as_json:
+            typer.echo(f"gpuwire: {node}: {left} session(s) left", err=True)
+            last = left
+        if left == 0 and view.get("state") == "draining":
+            view = {**view, "state": "drained"}  # the pool records it at the node's next heartbeat
+    if as_json:
+        print(json.dumps(view, indent=2))
+    elif wait:
+        typer.echo(f"gpuwire: {node} is drained after {time.monotonic() - started:.1f} s: it takes no new work "
+                   f"(`gpuwire undrain {node}` to take it back)", err=True)
+
+
+def undrain_command(
+    node: str = typer.Argument(..., help="The node's id."),
+    pool: Optional[str] = POOL_OPTION, api_key: Optional[str] = KEY_OPTION, as_json: bool = JSON_OPTION,
+):
+    """Take a drained (or draining) node back into service."""
+    view = _call(_client(pool, api_key).undrain_node, node)
+    if as_json:
+        print(json.dumps(view, indent=2))
+    else:
+        typer.echo(f"gpuwire: {node} is {view.get('state')}", err=True)
+
+
 def demo_command(
     jobs: bool = typer.Option(True, "--jobs/--no-jobs", help="Run a tiny torch job on each lease's node."),
     node_memory: str = typer.Option("4GiB", help="GPU memory each demo node offers the pool."),
@@ -335,3 +390,5 @@ def register(app: typer.Typer) -> None:
     app.add_typer(key_app, name="key")
     app.command("ls")(ls_command)
     app.command("demo")(demo_command)
+    app.command("drain")(drain_command)
+    app.command("undrain")(undrain_command)

@@ -179,6 +179,18 @@ class PoolClient:
     def release(self, lease_id: str) -> dict:
         return self.call("DELETE", f"/v1/leases/{lease_id}")[1]
 
+    def replace_lease(self, lease_id: str, *, reason: str = "lost", lost_address: str | None = None) -> dict:
+        """Move the lease to another GPU (its node is lost or draining); the reply is active
+        (with the new node's address and token) or queued (with a position)."""
+        return self.call("POST", f"/v1/leases/{lease_id}/replace",
+                         json={"reason": reason, "lost_address": lost_address})[1]
+
+    def drain_node(self, node_id: str, *, deadline: float | None = None) -> dict:
+        return self.call("POST", f"/v1/nodes/{node_id}/drain", json={"deadline": deadline})[1]
+
+    def undrain_node(self, node_id: str) -> dict:
+        return self.call("POST", f"/v1/nodes/{node_id}/undrain")[1]
+
     def request_lease(self, *, gpus: int = 1, memory: int | str | None = None, share: float = 1.0,
                       model: str | None = None, labels: dict | None = None, wait: float = 0.0, priority: int = 0,
                       ttl: float | None = None, on_position: Callable[[int, dict], None] | None = None,
@@ -302,13 +314,23 @@ class LeaseKeeper(threading.Thread):
         try:
             while not self._stop_event.wait(delay):
                 try:
-                    self.lease.data = self.client.renew(self.lease.id)
+                    data = self.client.renew(self.lease.id)
+                    if data.get("state") == "queued":  # being replaced: no token until placed again
+                        delay = min(1.0, self.interval())
+                        continue
+                    self.lease.data = data
                     self.renewals += 1
                     delay = self.interval()
                 except PoolUnreachable as exc:
                     log.info("lease %s: pool unreachable (%s); retrying", self.lease.id, exc)
                     delay = min(1.0, self.interval())
                 except PoolError as exc:
+                    if exc.status == 409 and exc.body.get("state") == "failed" and \
+                            str(exc.body.get("reason") or "").startswith("node "):
+                        # its node died: the program's client may get it replaced (failover); keep watching
+                        log.info("lease %s: %s; waiting for a replacement", self.lease.id, exc.message)
+                        delay = min(1.0, self.interval())
+                        continue
                     if exc.status in (404, 409):
                         self.lost = exc.message
                         log.warning("lease %s lost: %s", self.lease.id, exc.message)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import placement
-from .store import (ACTIVE, ALIVE, CANCELLED, DEAD, EXPIRED, FAILED, LIVE_STATES, QUEUED, RELEASED, Allocation,
+from .store import (ACTIVE, ALIVE, CANCELLED, DEAD, DRAINED, DRAINING, HEARTBEATING, EXPIRED, FAILED, LIVE_STATES, QUEUED, RELEASED, Allocation,
                     ApiKeyRecord, GpuRecord, LeaseRecord, NodeRecord, Store, TenantRecord)
 from .tokens import Signer
 
@@ -105,6 +105,10 @@ class Pool:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
+        # lease id -> nodes a replacement must avoid (a client could not reach them); in memory:
+        # after a pool restart a client that still cannot reach a node reports it again
+        self._avoid: dict[str, set[str]] = {}
+        self._drains: dict[str, dict] = {}  # node id -> what its heartbeats tell it about the drain
         with store.transaction():
             pem = store.get_setting("signing_key")
             if pem is None:
@@ -230,7 +234,7 @@ class Pool:
                                               self.config.max_sessions_per_gpu)) for g in gpus]
         with self._lock, self.store.transaction():
             old = self.store.get_node(node_id)
-            if old is not None and old.state == ALIVE:
+            if old is not None and old.state in HEARTBEATING:
                 if old.boot_id and boot_id and old.boot_id != boot_id:
                     self._fail_node_leases(node_id, f"node {node_id} restarted: the sessions it held are gone")
                 else:
@@ -239,9 +243,11 @@ class Pool:
                     if gone:
                         self._fail_node_leases(node_id, f"node {node_id} re-registered without GPU(s) "
                                                         f"{sorted(gone)} as they were", devices=gone)
-            node = NodeRecord(id=node_id, address=address, gpus=records, state=ALIVE, labels=dict(labels),
+            keep = old is not None and old.state in HEARTBEATING
+            node = NodeRecord(id=node_id, address=address, gpus=records,
+                              state=old.state if keep and old.state != DEAD else ALIVE, labels=dict(labels),
                               boot_id=boot_id, version=version,
-                              registered_at=old.registered_at if old is not None and old.state == ALIVE else now,
+                              registered_at=old.registered_at if keep else now,
                               last_heartbeat=now, reason=None, usage={})
             self.store.save_node(node)
             self._process_queue(now)
@@ -268,7 +274,84 @@ class Pool:
                 raise Problem(409, "node_restarted", f"node {node_id} has restarted since it registered; "
                                                      "register again")
             self.store.touch_node(node_id, now, usage or {})
-        return {"state": ALIVE, **{k: v for k, v in self.node_settings().items() if k.startswith("heartbeat")}}
+            leases = self._leases_on(node_id)
+            state = node.state
+            if state == DRAINING and not leases:
+                state = DRAINED
+                self.store.set_node_state(node_id, DRAINED, "drained: every session moved off")
+                log.info("node %s drained: every lease moved off; it takes no new work until undrained", node_id)
+            drain = self._drains.get(node_id) if state == DRAINING else None
+        return {"state": state, "leases": leases, "drain": drain,
+                **{k: v for k, v in self.node_settings().items() if k.startswith("heartbeat")}}
+
+    def _leases_on(self, node_id: str) -> list[str]:
+        return [lease.id for lease in self.store.list_leases((ACTIVE,))
+                if any(a.node_id == node_id for a in lease.allocations)]
+
+    # ------------------------------------------------------------ drain, failover
+
+    def drain_node(self, caller: Caller, node_id: str, deadline: float | None = None, undo: bool = False) -> dict:
+        """Stop placing on a node and ask its sessions to move away (at their next sync point);
+        ``undo``: take it back into service."""
+        self.require(caller, "admin")
+        now = time.time()
+        with self._lock, self.store.transaction():
+            node = self.store.get_node(node_id)
+            if node is None:
+                raise Problem(404, "unknown_node", f"no node {node_id!r}")
+            if undo:
+                if node.state in (DRAINING, DRAINED):
+                    self.store.set_node_state(node_id, ALIVE, None)
+                    self._drains.pop(node_id, None)
+                    self._process_queue(now)
+                    log.info("node %s undrained", node_id)
+            else:
+                if node.state == DEAD:
+                    raise Problem(409, "node_dead", f"node {node_id} is dead ({node.reason}); nothing to drain")
+                if node.state == ALIVE:
+                    self.store.set_node_state(node_id, DRAINING, "draining: sessions are moving off")
+                self._drains[node_id] = {"reason": f"node {node_id} is being drained",
+                                         "deadline": now + deadline if deadline else None, "since": now}
+                log.info("node %s draining (%d lease(s) to move)", node_id, len(self._leases_on(node_id)))
+            return self.node_view(self.store.get_node(node_id))
+
+    def replace_lease(self, caller: Caller, lease_id: str, *, reason: str = "lost",
+                      lost_address: str | None = None) -> dict:
+        """Move a lease to another GPU with the same request: its node died, its client cannot
+        reach it, or the node is draining. Placed now when something fits, else queued (ahead of
+        newer requests); the lease keeps its id, so renewals go on."""
+        if reason not in ("lost", "drain"):
+            raise Problem(422, "invalid", "reason must be 'lost' or 'drain'")
+        now = time.time()
+        with self._lock:
+            lease = self._owned(caller, lease_id)
+            if lease.state == QUEUED:
+                return self.lease_view(lease, tokens=True)
+            if lease.state not in (ACTIVE, FAILED) or (lease.state == FAILED and not (lease.reason or "").startswith("node ")):
+                raise Problem(409, "lease_ended", f"lease {lease_id} is {lease.state}"
+                              + (f": {lease.reason}" if lease.reason else "") + "; ask for a new lease",
+                              state=lease.state, reason=lease.reason)
+            old_nodes = {a.node_id for a in lease.allocations}
+        if reason == "lost":  # probe outside the lock: a dead node costs up to a second
+            for node_id in old_nodes:
+                node = self.store.get_node(node_id)
+                if node is not None and node.state != DEAD and not _answers(node.address):
+                    with self._lock, self.store.transaction():
+                        self._mark_dead(node_id, "unreachable: its client lost it and the pool could not connect")
+        with self._lock, self.store.transaction():
+            lease = self._owned(caller, lease_id)
+            if lease.state in (ACTIVE, FAILED):
+                self._avoid.setdefault(lease.id, set()).update(old_nodes)
+                lease.state, lease.updated_at = QUEUED, now
+                lease.reason = ("moving off a draining node" if reason == "drain"
+                                else f"replacing a lost GPU on {', '.join(sorted(old_nodes)) or '?'}")
+                lease.allocations, lease.wait_until = [], now + self.config.max_wait
+                self.store.save_lease(lease)
+                self._process_queue(now)
+                lease = self.store.get_lease(lease_id)
+                where = ", ".join(f"{a.node_id}/{a.device}" for a in lease.allocations) or "the queue"
+                log.info("lease %s replaced (%s): now on %s", lease_id, reason, where)
+            return self.lease_view(lease, tokens=True)
 
     def deregister_node(self, caller: Caller, node_id: str) -> dict:
         self.require(caller, "admin", "node")
@@ -566,10 +649,12 @@ class Pool:
         blocked: set[tuple[str, int]] = set()
         for lease in queue:
             request = _request_of(lease)
-            if not placement.could_ever_fit(request, gpu_state):
+            avoid = self._avoid.get(lease.id)
+            usable = [g for g in gpu_state if g.node_id not in avoid] if avoid else gpu_state
+            if not placement.could_ever_fit(request, usable):
                 continue
-            wanted = _candidates(request, gpu_state)
-            slots = placement.place(request, gpu_state) if not wanted & blocked else None
+            wanted = _candidates(request, usable)
+            slots = placement.place(request, usable) if not wanted & blocked else None
             if slots is None:
                 blocked |= wanted  # first in line for these GPUs: whoever wants them next waits behind it
                 continue
@@ -586,7 +671,7 @@ class Pool:
         timeout = self.config.heartbeat_timeout
         with self._lock, self.store.transaction():
             for node in self.store.list_nodes():
-                if node.state == ALIVE:
+                if node.state in HEARTBEATING:
                     seen = max(node.last_heartbeat, self.started_at)
                     if now - seen > timeout:
                         self._mark_dead(node.id, f"missed heartbeats for {now - node.last_heartbeat:.1f}s "
@@ -661,6 +746,18 @@ def _request_of(lease: LeaseRecord) -> placement.Request:
 def _candidates(request: placement.Request, gpus: list[placement.Gpu]) -> set[tuple[str, int]]:
     """The GPUs a request could ever use (model and labels match)."""
     return {(g.node_id, g.index) for g in gpus if placement.matches(request, g)}
+
+
+def _answers(address: str, timeout: float = 1.0) -> bool:
+    """Whether something accepts TCP connections at a node's address (the pool's own check of
+    a client's report that the node is gone)."""
+    import socket
+    from ..client.runtime import parse_address
+    try:
+        with socket.create_connection(parse_address(address), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def _version() -> str:

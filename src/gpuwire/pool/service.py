@@ -105,6 +105,16 @@ class RenewIn(Body):
     ttl: Optional[float] = Field(None, ge=1.0, le=24 * 3600)
 
 
+class ReplaceIn(Body):
+    reason: str = Field("lost", description="lost (the client cannot reach its node) or drain")
+    lost_address: Optional[str] = Field(None, max_length=300)
+
+
+class DrainIn(Body):
+    deadline: Optional[float] = Field(None, gt=0, le=7 * 24 * 3600,
+                                      description="seconds the sessions get to move before they are ended")
+
+
 class TenantIn(Body):
     name: str = Field(pattern=NAME_PATTERN)
     max_gpus: Optional[float] = Field(None, ge=0.0, le=1e6, description="GPUs' worth (gpus x share) at once")
@@ -149,7 +159,7 @@ class BodyLimit:
         return await self.app(scope, limited_receive, send)
 
 
-def create_app(pool: Pool) -> FastAPI:
+def create_app(pool: Pool, rate_limiter=None) -> FastAPI:
     app = FastAPI(title="gpuwire pool", version=__version__,
                   description="Control plane of gpuwire: nodes, GPUs, leases, tenants, API keys.",
                   openapi_url="/v1/openapi.json", docs_url="/v1/docs", redoc_url=None)
@@ -189,8 +199,12 @@ def create_app(pool: Pool) -> FastAPI:
         return JSONResponse({"error": "internal", "message": f"the pool failed to handle this request: "
                                                              f"{type(exc).__name__}"}, status_code=500)
 
-    def caller(credentials: Optional[HTTPAuthorizationCredentials] = Security(bearer)) -> Caller:
-        return pool.authenticate(credentials.credentials if credentials else None)
+    from .ratelimit import install as install_rate_limits
+    limiter = install_rate_limits(app, rate_limiter)  # 429 past a key's limit (pool/ratelimit.py)
+
+    def caller(request: Request, credentials: Optional[HTTPAuthorizationCredentials] = Security(bearer)) -> Caller:
+        return limiter.admit(request.client.host if request.client else "?",
+                             credentials.credentials if credentials else None, pool.authenticate)
 
     Auth = Annotated[Caller, Depends(caller)]
 
@@ -273,6 +287,21 @@ def create_app(pool: Pool) -> FastAPI:
     def renew(lease_id: str, who: Auth, body: Optional[RenewIn] = None):
         return pool.renew(who, lease_id, body.ttl if body else None)
 
+    @app.post("/v1/leases/{lease_id}/replace", tags=["leases"],
+              summary="Move a lease to another GPU (lost or draining node): active with a new token, or queued")
+    def replace(lease_id: str, who: Auth, body: Optional[ReplaceIn] = None):
+        body = body or ReplaceIn()
+        return pool.replace_lease(who, lease_id, reason=body.reason, lost_address=body.lost_address)
+
+    @app.post("/v1/nodes/{node_id}/drain", tags=["nodes"],
+              summary="Stop placing on a node; its sessions move to other nodes at their next sync point (admin)")
+    def drain(node_id: str, who: Auth, body: Optional[DrainIn] = None):
+        return pool.drain_node(who, node_id, deadline=body.deadline if body else None)
+
+    @app.post("/v1/nodes/{node_id}/undrain", tags=["nodes"], summary="Take a drained node back (admin)")
+    def undrain(node_id: str, who: Auth):
+        return pool.drain_node(who, node_id, undo=True)
+
     @app.delete("/v1/leases/{lease_id}", tags=["leases"], summary="Release a lease (or leave the queue)")
     def release(lease_id: str, who: Auth):
         return pool.release(who, lease_id)
@@ -305,7 +334,8 @@ def create_app(pool: Pool) -> FastAPI:
 
 def run(host: str = "127.0.0.1", port: int = 7000, db: str | None = None, *, admin_key: str | None = None,
         config: PoolConfig | None = None, log_level: str = "info", tls_cert: str | None = None,
-        tls_key: str | None = None, tls_client_ca: str | None = None, insecure: bool = False) -> int:
+        tls_key: str | None = None, tls_client_ca: str | None = None, insecure: bool = False,
+        rate_limits: str | None = None) -> int:
     """``gpuwire pool``: open the store, make sure an admin key exists, serve until SIGINT/SIGTERM.
 
     Plain HTTP only on loopback unless ``insecure``: API keys travel in every request."""
@@ -329,6 +359,13 @@ def run(host: str = "127.0.0.1", port: int = 7000, db: str | None = None, *, adm
               "would travel in clear); pass --tls-cert/--tls-key (see `gpuwire certs init`), or --insecure",
               file=sys.stderr)
         return 2
+    from .ratelimit import RateLimiter, format_limits
+    try:  # --rate-limit, else GPUWIRE_POOL_RATE_LIMIT, else the defaults (pool/ratelimit.py)
+        rate_limiter = RateLimiter.from_spec(rate_limits)
+    except ValueError as exc:
+        print(f"gpuwire pool: {exc}", file=sys.stderr)
+        return 2
+    log.info("rate limits per API key: %s", format_limits(rate_limiter.limits))
 
     url = db if db and "://" in db else sqlite_url(db or default_db_path())
     store = SqlStore(url)
@@ -357,7 +394,8 @@ def run(host: str = "127.0.0.1", port: int = 7000, db: str | None = None, *, adm
     scheme = "https" if ssl_options else "http"
     print(f"gpuwire pool listening on {scheme}://{shown}:{bound}", flush=True)
     pool.start()
-    server = uvicorn.Server(uvicorn.Config(create_app(pool), log_level=log_level, access_log=log_level == "debug",
+    server = uvicorn.Server(uvicorn.Config(create_app(pool, rate_limiter), log_level=log_level,
+                                           access_log=log_level == "debug",
                                            lifespan="off", timeout_graceful_shutdown=3, **ssl_options))
     try:
         server.run(sockets=[sock])

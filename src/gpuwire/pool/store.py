@@ -30,6 +30,8 @@ RELEASED, EXPIRED, FAILED, CANCELLED = "released", "expired", "failed", "cancell
 LIVE_STATES = (QUEUED, ACTIVE)
 # node states
 ALIVE, DEAD = "alive", "dead"
+DRAINING, DRAINED = "draining", "drained"  # no new placements; DRAINED: every lease moved off
+HEARTBEATING = (ALIVE, DRAINING, DRAINED)
 
 
 @dataclass

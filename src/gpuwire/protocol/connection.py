@@ -43,8 +43,10 @@ from .events import (
 )
 
 PREFIX = struct.Struct("!IQ")
+_PREFIX_PACK = PREFIX.pack
 LARGE_PAYLOAD = 64 << 10  # payloads at least this large bypass the frame buffer
 _DEFINE_OP = 10  # internal frame: [10, op_index, name]
+_OP = Op.code
 
 
 class ProtocolError(Exception):
@@ -181,11 +183,53 @@ class Connection:
             frame = self._frame(self._packer.pack((Op.code, seq, index, args, kwargs, outs)), 0)
             self._op_index[name] = index
             return self._frame(self._packer.pack((_DEFINE_OP, index, name)), 0) + frame
-        return self._frame(self._packer.pack((Op.code, seq, index, args, kwargs, outs)), 0)
+        header = self._packer.pack((_OP, seq, index, args, kwargs, outs))
+        return _PREFIX_PACK(len(header), 0) + header
 
     def encode_alloc(self, seq: int, storage_id: int, nbytes: int, overwrite: bool = False) -> bytes:
         """Hot path for the client: the frame of an ``Alloc`` without building the event."""
         return self._frame(self._packer.pack((Alloc.code, seq, storage_id, nbytes, overwrite)), 0)
+
+    # ------------------------------------------------------------ moving a session between connections
+
+    @property
+    def defined_op_names(self) -> list[str]:
+        """The names this side has interned for sending, in index order."""
+        return sorted(self._op_index, key=self._op_index.__getitem__)
+
+    @property
+    def peer_op_names(self) -> list[str]:
+        """The names the peer has defined for us so far, in index order."""
+        return list(self._op_names)
+
+    def continue_encoding_from(self, other: "Connection") -> None:
+        """Reuse ``other``'s outgoing name table, so frames encoded on ``other`` stay valid here
+        (a resumed or rebuilt session; the peer learns the names from ``op_definitions``)."""
+        self._op_index = dict(other._op_index)
+
+    def continue_decoding_from(self, names: list[str]) -> None:
+        """Start with the peer's name table of an earlier connection of the same session."""
+        if len(names) > self.limits.max_op_names:
+            raise ProtocolError("too many distinct op names on one connection")
+        self._op_names = list(names)
+
+    def bind(self, *, ext_hook=None, payload_sink=None) -> None:
+        """Attach the application's decoding hooks once it knows who the peer is (a node learns
+        from the Hello whether the connection starts a session or resumes one)."""
+        self._ext_hook = ext_hook or codec.ext_hook
+        self._payload_sink = payload_sink
+
+    def adopt_op_names(self, names: list[str]) -> bytes:
+        """Take ``names`` as our outgoing table (a node handing a client's session to another
+        node) and return the definition frames that teach it to the peer."""
+        self._op_index = {name: index for index, name in enumerate(names)}
+        return self.op_definitions(len(names))
+
+    def op_definitions(self, count: int) -> bytes:
+        """Definition frames for the first ``count`` outgoing names (a rebuilt session's node
+        must know the names the replayed frames use before it sees them)."""
+        return b"".join(self._frame(self._packer.pack((_DEFINE_OP, index, name)), 0)
+                        for index, name in enumerate(self.defined_op_names[:count]))
 
     @staticmethod
     def _frame(header: bytes, payload_len: int) -> bytes:
@@ -363,6 +407,8 @@ class Connection:
     def _define_op(self, header: list) -> None:
         if len(header) != 3 or type(header[1]) is not int or not isinstance(header[2], str):
             raise ProtocolError("malformed op definition frame")
+        if 0 <= header[1] < len(self._op_names) and self._op_names[header[1]] == header[2]:
+            return  # a resumed connection may resend a definition the peer already has
         if header[1] != len(self._op_names):
             raise ProtocolError(f"op definitions out of order: got index {header[1]}, expected {len(self._op_names)}")
         if len(self._op_names) >= self.limits.max_op_names:
@@ -408,6 +454,8 @@ _FIELD_TYPES = {
     "server_version": (str,), "session_id": (str,), "op": (str,), "exc_type": (str,), "message": (str,),
     "args": (list,), "kwargs": (dict,), "outs": (list,), "storage_ids": (list,), "capabilities": (list,),
     "options": (dict,), "device": (dict,), "limits": (dict,), "token": (str, type(None)),
+    "resume": (dict,), "kind": (str,), "data": (dict,), "rng_state": (bytes,), "generators": (list,),
+    "next_node_id": _INT, "last_seq": _INT,
 }
 
 

@@ -60,6 +60,9 @@ class Welcome(Event):
     session_id: str = ""
     device: dict = field(default_factory=dict)
     limits: dict = field(default_factory=dict)
+    # durable sessions: {"key": resume secret, "resumed": bool, "last_seq": highest command seq
+    # the node has handled}; see docs/failover.md
+    resume: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -190,6 +193,20 @@ class Goodbye(Event):
     reason: str = ""
 
 
+@dataclass
+class Restore(Event):
+    """Client (or a draining node) → node: the non-tensor state of a session being rebuilt or
+    moved: random generator states, the node-chosen id counter, and the highest command seq
+    already applied. Sent after the storages themselves (Alloc + Write)."""
+
+    code: ClassVar[int] = 22
+    seq: int = 0
+    rng_state: bytes = b""
+    generators: list = field(default_factory=list)  # [[generator id, state bytes], ...]
+    next_node_id: int = 0
+    last_seq: int = 0
+
+
 # ---------------------------------------------------------------- node → client replies
 
 
@@ -215,6 +232,16 @@ class Result(Event):
 class SyncDone(Event):
     code: ClassVar[int] = 32
     seq: int = 0
+
+
+@dataclass
+class Notice(Event):
+    """Node → client, unsolicited, just before a reply: ``kind`` "drain" asks the client to move
+    its session elsewhere at this sync point (``data`` says why and by when)."""
+
+    code: ClassVar[int] = 34
+    kind: str = ""
+    data: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -245,11 +272,11 @@ def wire_fields(cls: type[Event]) -> tuple[str, ...]:
 EVENT_TYPES: dict[int, type[Event]] = {
     cls.code: cls
     for cls in (Hello, Welcome, Reject, Op, CallSync, Alloc, Free, Write, Read, Sync, Seed,
-                Query, SetRngState, Goodbye, Data, Result, SyncDone, Error)
+                Query, SetRngState, Goodbye, Restore, Data, Result, SyncDone, Notice, Error)
 }
 CLIENT_EVENTS = frozenset({Hello, Op, CallSync, Alloc, Free, Write, Read, Sync, Seed, Query,
-                           SetRngState, Goodbye})
-SERVER_EVENTS = frozenset({Welcome, Reject, Data, Result, SyncDone, Error, Goodbye})
+                           SetRngState, Goodbye, Restore})
+SERVER_EVENTS = frozenset({Welcome, Reject, Data, Result, SyncDone, Notice, Error, Goodbye})
 
 
 # ---------------------------------------------------------------- values inside argument trees

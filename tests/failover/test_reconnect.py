@@ -1,0 +1,96 @@
+"""Network cuts between a client and its node: the job waits, reconnects, loses nothing.
+
+Real node process, real client process, and a proxy in between that drops every connection
+(``cut_proxy.CutProxy``). Results are compared bit for bit with a run through no proxy.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.conftest import NodeProcess
+from tests.failover.cut_proxy import CutProxy
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+JOB = os.path.join(HERE, "train_job.py")
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def node_and_proxy():
+    node = NodeProcess()
+    proxy = CutProxy((node.host, node.port)).start()
+    yield node, proxy
+    proxy.close()
+    node.kill()
+
+
+def run(address: str, steps: int, out: str, *, cuts: dict | None = None, proxy=None, env: dict | None = None):
+    proc = subprocess.Popen([sys.executable, JOB, "cnn", str(steps), out],
+                            env={**os.environ, "GPUWIRE_NODE": address, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("step ") and cuts:
+            step = int(line.split()[1])
+            if step in cuts:
+                proxy.cut(cuts[step])
+    return proc.wait(timeout=240), proc.stderr.read()
+
+
+def test_cuts_of_one_to_five_seconds_cost_nothing_but_time(node_and_proxy, tmp_path):
+    node, proxy = node_and_proxy
+    code, stderr = run(node.address, 40, str(tmp_path / "direct.pt"))
+    assert code == 0, stderr
+    code, stderr = run(proxy.address, 40, str(tmp_path / "cut.pt"), cuts={5: 1.0, 17: 5.0, 30: 0.0}, proxy=proxy)
+    assert code == 0, stderr[-3000:]
+    assert stderr.count("nothing lost") == 3, stderr
+    a, b = torch.load(tmp_path / "direct.pt"), torch.load(tmp_path / "cut.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    log = node.log_text()
+    assert log.count(" resumed from ") == 3  # the same session, never rebuilt
+    assert log.count(" opened from ") == 2  # the direct run and the cut run
+
+
+def test_without_durability_a_cut_raises_connection_lost(node_and_proxy, tmp_path):
+    node, proxy = node_and_proxy
+    code, stderr = run(proxy.address, 30, str(tmp_path / "x.pt"), cuts={5: 0.0}, proxy=proxy,
+                       env={"GPUWIRE_DURABILITY": "none"})
+    assert code != 0
+    assert "ConnectionLost" in stderr and "GPUWIRE_DURABILITY=checkpoint" in stderr
+
+
+def test_a_killed_client_frees_its_parked_session_after_the_grace(node_and_proxy, tmp_path):
+    node, _proxy = node_and_proxy
+    script = (f"import torch, gpuwire, time\ngpuwire.attach('{node.address}')\n"
+              "x = torch.ones(1 << 20, device='gpuwire'); print(x.sum().item(), flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "GPUWIRE_RECONNECT_GRACE": "2"},
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == str(float(1 << 20))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        from gpuwire.client.runtime import Runtime
+        watcher = Runtime(node.address)
+        try:
+            deadline = time.monotonic() + 15
+            while True:
+                others = [s for s in watcher.query("node")["sessions"] if s["id"] != watcher.session_id]
+                if not others:
+                    break
+                assert time.monotonic() < deadline, f"the killed client's session is still held: {others}"
+                time.sleep(0.2)
+        finally:
+            watcher.close()
+        assert "its client did not reconnect within 2 s; freeing it" in node.log_text()
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
