@@ -40,7 +40,11 @@ def serve(
     max_sessions: int = typer.Option(64, help="Most concurrent client sessions."),
     session_memory: Optional[str] = typer.Option(None, help="Memory budget of each session, e.g. 4GiB "
                                                             "(default: the whole device)."),
-    idle_timeout: Optional[float] = typer.Option(None, help="Drop a session idle for this many seconds."),
+    idle_timeout: Optional[float] = typer.Option(
+        None, help="Drop a session that completes no command for this many seconds (default: never; dead peers "
+                   "are found by TCP keepalive, and a partial frame trickling in is dropped after 60 s)."),
+    handshake_timeout: float = typer.Option(10.0, help="Seconds a new connection gets to complete its handshake "
+                                                       "(overall, not per read: a slow-loris gets no slot)."),
     threads: Optional[int] = typer.Option(None, help="Intra-op CPU threads for the CPU backend (default: torch's)."),
     tls_cert: Optional[str] = typer.Option(None, help="Serve TLS with this certificate (see `gpuwire certs init`)."),
     tls_key: Optional[str] = typer.Option(None, help="Private key of --tls-cert."),
@@ -98,6 +102,7 @@ def serve(
         typer.echo(f"gpuwire serve: {exc}", err=True)
         raise typer.Exit(2)
     server = NodeServer(host, port, backend=chosen, token=token, max_sessions=max_sessions, idle_timeout=idle_timeout,
+                        handshake_timeout=handshake_timeout,
                         session_memory=budget, tls=tls)
     try:
         bound_host, bound_port = server.bind()

@@ -60,6 +60,8 @@ def test_node_enforces_the_budget_even_if_the_client_does_not(budget_node):
 # runs the op on meta tensors first and refuses it before allocating: the node process's peak
 # resident memory (VmHWM, read from /proc) shows no allocation ever happened.
 
+import time  # noqa: E402
+
 from gpuwire.protocol.codec import DTYPE_CODES, pack_tensor_ref  # noqa: E402
 
 F32 = DTYPE_CODES["float32"]
@@ -151,3 +153,31 @@ def test_honest_programs_pass_the_meta_check(budget_node):
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=150)
     assert "EQUAL True" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_ops_over_views_larger_than_the_device_are_refused_unrun(budget_node):
+    """A zero-stride view passes the bounds check however large it is; a kernel over a view
+    larger than the device's whole memory would hold the device for every session."""
+    rt = Runtime(budget_node.address)
+    sid = rt.allocate(64)
+    astronomic = pack_tensor_ref(sid, 0, (1 << 20, 1 << 20, 1 << 10), (0, 0, 0), F32)  # 4 PiB of one float
+    started = time.monotonic()
+    for name, args in (("aten::sum.dim_IntList", [astronomic, [0, 1, 2], False]),
+                       ("aten::fill_.Scalar", [astronomic, 1.0])):  # in place: checked too
+        with pytest.raises(Exception, match=rf"{name} was given a tensor of 4096TiB \(a broadcast view\), more than "
+                                            r"this device's .* of memory"):
+            _op(rt, name, args, {}, [[rt.reserve(64), 4, [], [], F32]] if name.startswith("aten::sum") else ())
+    assert time.monotonic() - started < 10
+    rt.close()
+
+
+@pytest.mark.timeout(60)
+def test_call_sync_ops_are_guarded_too(budget_node):
+    rt = Runtime(budget_node.address)
+    sid = rt.allocate(64)
+    before = _peak_rss(budget_node.proc.pid)
+    with pytest.raises(torch.OutOfMemoryError, match=r"aten::repeat would allocate 1GiB"):
+        rt.call_sync("aten::repeat", [pack_tensor_ref(sid, 0, (4, 4), (4, 1), F32), [1 << 12, 1 << 12]], {})
+    assert _peak_rss(budget_node.proc.pid) - before < 256 << 20
+    rt.close()

@@ -32,6 +32,13 @@ log = logging.getLogger("gpuwire.node")
 RECV_BYTES = 1 << 20
 
 
+def _keepalive(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
 class NodeServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 7070, *, backend: Backend | None = None,
                  token: str | None = None, limits: Limits | None = None, max_sessions: int = 64,
@@ -51,6 +58,7 @@ class NodeServer:
         # a session outlives its token's expiry by this much: a pool restart pauses renewals,
         # and running jobs must not notice
         self.lease_grace = 30.0
+        self.frame_timeout = 60.0  # most seconds one command may take to arrive once it started
         self.max_resume_grace = 120.0  # longest a durable session waits for its client to reconnect
         self.draining: dict | None = None  # {"reason", "deadline"} while the pool drains this node
         self._sockets: dict[str, socket.socket] = {}
@@ -143,6 +151,7 @@ class NodeServer:
         ended_cleanly = False
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _keepalive(sock)  # a silent peer whose host died is found in about 90 s
             deadline = time.monotonic() + self.handshake_timeout  # overall: a slow-loris gets no slot
             sock.settimeout(self.handshake_timeout)
             if self.tls is not None:
@@ -429,16 +438,24 @@ class NodeServer:
         turn = self.scheduler.turn
         quantum = self.quantum
         idle_timeout = self.idle_timeout
+        frame_timeout = self.frame_timeout
+        timeout_now = sock.gettimeout()
         recent = session.recent_replies
         starved = True
         last_event = time.monotonic()
         while True:
             if starved:
+                # a frame that started must finish within frame_timeout: bytes trickling in
+                # without ever completing a command do not hold a slot
+                wait = frame_timeout if conn.mid_frame else idle_timeout
+                if wait != timeout_now:
+                    sock.settimeout(wait)
+                    timeout_now = wait
                 received = sock.recv_into(conn.get_buffer(RECV_BYTES))
                 conn.buffer_updated(received)
-                if idle_timeout is not None and time.monotonic() - last_event > idle_timeout:
-                    # bytes trickling in without ever completing a command do not hold a slot
-                    raise socket.timeout(f"no complete command for {idle_timeout:g} s")
+                quiet = time.monotonic() - last_event
+                if (idle_timeout is not None and quiet > idle_timeout) or (conn.mid_frame and quiet > frame_timeout):
+                    raise socket.timeout(f"no complete command for {quiet:.0f} s")
             replies = []
             closing = False
             starved = False

@@ -463,9 +463,12 @@ class Session:
         kind = _OP_KINDS.get(name)
         if kind is None:
             kind = _OP_KINDS[name] = _op_kind(name, fn)
-        if kind is _IN_PLACE:
-            return  # writes only into its first argument, whose size it cannot change
         args, kwargs = event.args, event.kwargs
+        if kind is _IN_PLACE:  # writes only into its first argument, whose size it cannot change
+            first = args[0] if args else None
+            if type(first) is _TENSOR and first.numel() > _LARGE:
+                self._check_width(name, first.numel() * first.element_size())
+            return
         if kind is _RECOMPUTE:  # the inner aten op runs here: check that one
             name, fn, args, kwargs = _recomputed_op(name, args)
             kind = _OP_KINDS.get(name) or _OP_KINDS.setdefault(name, _op_kind(name, fn))
@@ -484,13 +487,8 @@ class Session:
         except Exception:  # noqa: BLE001 - an unhashable argument (a msgpack map): no caching
             cost = _meta_cost(fn, args, kwargs, strided)
         fresh, grown, resized, widest = cost
-        if widest > _LARGE and widest > self._device_memory():
-            # a zero-stride view passes the bounds check however large it is; a kernel over it
-            # would hold the device (and every other session) for minutes
-            raise SessionError(
-                f"gpuwire: {name} was given a tensor of {format_size(widest)} (a broadcast view), more than this "
-                f"device's {format_size(self._device_memory())} of memory; refused, since running it would "
-                "occupy the device for every session: reduce the broadcast sizes")
+        if widest > _LARGE:
+            self._check_width(name, widest)
         how = "computed by its meta kernel from the arguments' shapes"
         if kind is _VALUE_SIZED:
             bound = _value_sized_bytes(name, args, kwargs)
@@ -509,6 +507,15 @@ class Session:
                 room = self._room()
             if fresh > room:
                 raise _no_room(name, fresh, room, how)
+
+    def _check_width(self, name: str, nbytes: int) -> None:
+        """A zero-stride view passes the bounds check however large it is; a kernel over one
+        larger than the whole device would hold the device (and every session) for minutes."""
+        if nbytes > self._device_memory():
+            raise SessionError(
+                f"gpuwire: {name} was given a tensor of {format_size(nbytes)} (a broadcast view), more than this "
+                f"device's {format_size(self._device_memory())} of memory; refused, since running it would "
+                "occupy the device for every session: reduce the broadcast sizes")
 
     def _device_memory(self) -> int:
         """Bytes of memory the device has (the CPU backend: the host's)."""
@@ -604,6 +611,7 @@ class Session:
 
     def _call_sync(self, event: CallSync):
         fn = self.ops.resolve(event.name)
+        self._guard_allocation(event, fn)
         with self.rng.lock:
             self.rng.acquire(self)
             result = fn(*event.args, **event.kwargs)
@@ -674,7 +682,7 @@ class Session:
     def _query(self, what: str):
         if what == "snapshot":
             return self.export_state()
-        if what.startswith("migrate:") and self.migrate_hook is not None:
+        if what.startswith("migrate:") and self.migrate_hook is not None and self.lease_id is not None:
             import json
             try:
                 target = json.loads(what[len("migrate:"):])
@@ -837,16 +845,18 @@ def _list_signature(values: list, strided: bool) -> tuple:
     return tuple(key)
 
 
-def _to_meta(value, made: list, strided: bool):
+def _to_meta(value, tensors: list):
+    """``value`` with tensors replaced by placeholders (collected in ``tensors``), devices by
+    meta, generators by None."""
     if isinstance(value, torch.Tensor):
-        made.append(value)
+        tensors.append(value)
         return _META_PLACEHOLDER
     if isinstance(value, torch.device):
         return _META
     if isinstance(value, torch.Generator):
         return None  # meta kernels draw nothing; a node generator would not match the device
     if type(value) is list:
-        return [_to_meta(v, made, strided) for v in value]
+        return [_to_meta(v, tensors) for v in value]
     return value
 
 
@@ -862,8 +872,8 @@ def _meta_cost(fn, args, kwargs, strided: bool = True) -> tuple:
     element)."""
     tensors: list = []
     try:
-        args = [_to_meta(a, tensors, strided) for a in args]
-        kwargs = {k: _to_meta(v, tensors, strided) for k, v in kwargs.items()}
+        args = [_to_meta(a, tensors) for a in args]
+        kwargs = {k: _to_meta(v, tensors) for k, v in kwargs.items()}
     except Exception:  # noqa: BLE001
         return _NO_ANSWER, 0, None, 0
     from math import prod
@@ -1009,3 +1019,18 @@ _VALUE_SIZED_OPS = {
     "aten::_pad_packed_sequence": _pad_packed_sequence_bytes,
     "aten::_padded_dense_to_jagged_forward": _padded_dense_to_jagged_bytes,
 }
+
+
+def _warm_up_meta() -> None:
+    """The first op on meta tensors in a process imports torch._dynamo (about a second). Done
+    in the background when a node loads this module, so that second is not charged to the first
+    session that sends an op (its fair-scheduler turn would then wait for every other session
+    to use as much device time)."""
+    try:
+        meta = torch.empty(1, device=_META)
+        torch.ops.aten.add.Tensor(meta, meta)
+    except Exception:  # noqa: BLE001 - only a warm-up
+        pass
+
+
+threading.Thread(target=_warm_up_meta, daemon=True, name="gpuwire-meta-warm-up").start()

@@ -274,6 +274,11 @@ class Connection:
             self.receive_data(memoryview(self._scratch)[:nbytes])
 
     @property
+    def mid_frame(self) -> bool:
+        """Part of a frame has arrived and the rest has not."""
+        return self._pending is not None or len(self._buffer) > self._pos
+
+    @property
     def buffered(self) -> int:
         return len(self._buffer) - self._pos
 
