@@ -132,6 +132,8 @@ def serve(
             raise typer.Exit(2)
     signal.signal(signal.SIGTERM, lambda *_: (agent and agent.stop(), server.close(), os._exit(0)))
     try:
+        from .node.session import start_meta_warm_up
+        start_meta_warm_up()  # the node process only: not in programs that embed a node
         server.serve_forever()
     except KeyboardInterrupt:
         pass

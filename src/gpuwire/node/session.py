@@ -1033,4 +1033,8 @@ def _warm_up_meta() -> None:
         pass
 
 
-threading.Thread(target=_warm_up_meta, daemon=True, name="gpuwire-meta-warm-up").start()
+
+def start_meta_warm_up() -> None:
+    """Called by the server once it listens (not at import: a thread inside torch while a
+    refusing process exits makes the C++ runtime abort)."""
+    threading.Thread(target=_warm_up_meta, daemon=True, name="gpuwire-meta-warm-up").start()
