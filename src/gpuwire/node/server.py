@@ -404,6 +404,8 @@ class NodeServer:
         """The pool says which leases live on this node; sessions of any other lease are stale
         (the pool declared this node dead and moved them) and are ended. Sessions admitted after
         the pool was asked are left alone (their lease may be newer than the answer)."""
+        if self.draining is not None:
+            return 0  # draining: sessions leave by moving (their lease moves first) or at the deadline
         with self._lock:
             stale = [s for s in self.sessions.values() if s.lease_id is not None and s.lease_id not in lease_ids
                      and (admitted_before is None or s.created < admitted_before)]

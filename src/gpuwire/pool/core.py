@@ -332,6 +332,11 @@ class Pool:
                               + (f": {lease.reason}" if lease.reason else "") + "; ask for a new lease",
                               state=lease.state, reason=lease.reason)
             old_nodes = {a.node_id for a in lease.allocations}
+            if lease.state == ACTIVE and lost_address is not None:
+                addresses = {(self.store.get_node(n).address if self.store.get_node(n) else None) for n in old_nodes}
+                if lost_address not in addresses:
+                    # already moved off the lost node (a drain or an earlier report): that is the answer
+                    return self.lease_view(lease, tokens=True)
         if reason == "lost":  # probe outside the lock: a dead node costs up to a second
             for node_id in old_nodes:
                 node = self.store.get_node(node_id)
