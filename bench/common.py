@@ -71,6 +71,11 @@ class Child:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    @property
+    def rss(self) -> int:
+        """The child's resident set size in bytes (0 once it is gone)."""
+        return rss_bytes(self.pid)
+
     def log_tail(self, n: int = 20) -> str:
         return "".join(self.stderr_lines[-n:])
 
@@ -91,6 +96,67 @@ class Child:
                     stream.close()
             except OSError:
                 pass
+
+
+class Worker:
+    """A child process with no banner (a load generator): JSON config in on stdin, lines out."""
+
+    def __init__(self, cmd: list[str], *, what: str, env: dict | None = None):
+        self.what = what
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env={**os.environ, **(env or {})}, cwd=REPO)
+        self.pid = self.proc.pid
+        self.stderr_lines: list[str] = []
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    _drain = Child._drain
+    alive = Child.alive
+    kill = Child.kill
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def readline(self, timeout: float) -> str:
+        line = _readline_with_timeout(self.proc.stdout, timeout)
+        if not line:
+            raise RuntimeError(f"{self.what} (pid {self.pid}) said nothing within {timeout:g} s; "
+                               f"stderr: {''.join(self.stderr_lines[-20:])[-2000:]}")
+        return line
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU time of a process (this one by default), from /proc; 0 if unknown."""
+    try:
+        with open(f"/proc/{pid or 'self'}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def wait_idle(pid: int, *, timeout: float = 20.0, window: float = 0.3) -> bool:
+    """Wait until process ``pid`` uses (almost) no CPU for ``window`` seconds: a node that just
+    started may still be warming up in the background (imports), which would otherwise be
+    charged to the first figures measured against it. False if it never settled."""
+    deadline = time.monotonic() + timeout
+    last = cpu_seconds(pid)
+    while time.monotonic() < deadline:
+        time.sleep(window)
+        now = cpu_seconds(pid)
+        if now - last <= 0.02:
+            return True
+        last = now
+    return False
+
+
+def rss_bytes(pid: int | None = None) -> int:
+    """Resident set size of a process (this one by default), from /proc; 0 if unknown."""
+    try:
+        with open(f"/proc/{pid or 'self'}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 # ---------------------------------------------------------------- results
@@ -217,7 +283,16 @@ class Context:
             self._children.append(child)
         return child
 
-    def kill(self, child: Child) -> None:
+    def worker(self, cmd: list[str], *, what: str, env: dict | None = None) -> Worker:
+        """A banner-less child (killed with the others at the end, on error or overrun)."""
+        if self.aborted:
+            raise TimeoutError(f"not starting a {what}: {self.aborted}")
+        child = Worker(cmd, what=what, env=env)
+        with self._lock:
+            self._children.append(child)
+        return child
+
+    def kill(self, child) -> None:
         child.kill()
         with self._lock:
             if child in self._children:
@@ -239,17 +314,21 @@ class Context:
             child.kill()
 
     # nodes
-    def node(self, backend: str = "cpu") -> Child:
-        """A live ``gpuwire serve`` on loopback with ``--threads`` = the local thread count."""
-        node = self._nodes.get(backend)
-        if node is not None and node.alive:
+    def node(self, backend: str = "cpu", *extra: str, fresh: bool = False) -> Child:
+        """A live ``gpuwire serve`` on loopback with ``--threads`` = the local thread count
+        (``extra``: more ``serve`` options; ``fresh``: a new node, not the run's shared one)."""
+        key = (backend, *extra)
+        node = self._nodes.get(key)
+        if node is not None and node.alive and not fresh:
             return node
         if node is not None:
             self.kill(node)
         cmd = [sys.executable, "-m", "gpuwire", "serve", "--host", "127.0.0.1", "--port", "0",
-               "--backend", backend, "--threads", str(self.threads), "--log-level", "warning", "--exit-with-stdin"]
+               "--backend", backend, "--threads", str(self.threads), "--log-level", "warning", "--exit-with-stdin",
+               *extra]
         node = self.spawn(cmd, what=f"gpuwire node ({backend})", env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
-        self._nodes[backend] = node
+        self._nodes[key] = node
+        wait_idle(node.pid)
         return node
 
     def attach(self, address: str | None = None, backend: str = "cpu") -> str:

@@ -19,6 +19,7 @@ address that names the remote allocation; it is never dereferenced on the client
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 import threading
@@ -149,7 +150,8 @@ def _contiguous_strides(sizes) -> tuple:
     return tuple(reversed(strides))
 
 
-_set_storage = functools.partial(aten.set_.source_Storage_storage_offset.redispatch, CPU_KEYSET)
+# the dispatcher handle itself, not OpOverload.redispatch: one Python frame less on every new tensor
+_set_storage = functools.partial(aten.set_.source_Storage_storage_offset._handle.redispatch_boxed, CPU_KEYSET)
 _create_empty = torch._C._acc.create_empty_tensor
 _storage_at = torch._C._construct_storage_from_data_pointer
 
@@ -210,7 +212,7 @@ def _make_plan(op):
     returns = schema.returns
     writes_args = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
     if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns) and not writes_args:
-        return _run_view
+        return _view_plan(op)
     if not all(_is_tensor_type(r.type) for r in returns):
         return SyncPlan(op)
     if all(r.alias_info is not None and r.alias_info.is_write for r in returns) and (returns or writes_args):
@@ -234,6 +236,16 @@ def _op_name(op) -> str:
 
 def _run_view(op, args, kwargs):
     return op.redispatch(CPU_KEYSET, *args, **kwargs)
+
+
+def _view_plan(op):
+    """``_run_view`` for one op, calling its dispatcher handle directly (a view is the most
+    frequent op of all, and OpOverload.redispatch adds a Python frame)."""
+    redispatch = functools.partial(op._handle.redispatch_boxed, CPU_KEYSET)
+
+    def _run_view(op, args, kwargs):
+        return redispatch(*args, **kwargs)
+    return _run_view
 
 
 def _argument_getters(op):
@@ -418,16 +430,22 @@ class FunctionalPlan:
         self.cache: dict = {}
         self.sources = _alias_sources(op)
         self.numbers = _number_slots(op)
+        # a number in a Tensor slot counts by its kind; a Scalar argument by kind and value
+        # (``arange``'s sizes come from its Scalars)
+        tensors, scalars = _slot_kinds(op)
+        self.by_class, self.by_kind = tensors, scalars
 
     def outputs(self, op, args, kwargs):
         try:
-            key = (_signature(args), _signature(tuple(kwargs.items())) if kwargs else None)
-        except TypeError:
-            key = None
-        entry = self.cache.get(key) if key is not None else None
+            key = _call_key(args, kwargs, self.by_class, self.by_kind)
+            entry = self.cache.get(key)
+        except TypeError:  # an unhashable argument: no caching
+            key = entry = None
         if entry is None:
             entry = self._compute(args, kwargs)
             if key is not None and entry is not None:
+                if len(self.cache) >= _CACHE_MAX:
+                    self.cache.clear()
                 self.cache[key] = entry
         return entry
 
@@ -450,6 +468,8 @@ class FunctionalPlan:
         from torch._subclasses import fake_tensor as ft
         mode = _fake_cpu_mode()
         fake_args, fake_kwargs = _to_fake_cpu(args, mode), {k: _to_fake_cpu(v, mode) for k, v in kwargs.items()}
+        quiet = _FAKE_LOG.level
+        _FAKE_LOG.setLevel(logging.CRITICAL)  # a meta kernel that raises is an answer here, not an error to log
         try:
             with mode:
                 result = self.meta_op(*fake_args, **fake_kwargs)
@@ -458,6 +478,8 @@ class FunctionalPlan:
             return SYNC
         except Exception:  # noqa: BLE001 - let the node raise the real error (same message as local)
             return None
+        finally:
+            _FAKE_LOG.setLevel(quiet)
         return self._entry(result)
 
     def _entry(self, result):
@@ -507,9 +529,335 @@ def _signature(values):
             out.append((v.dtype, v.shape, v.stride(), v.is_cpu, v.is_conj() or v.is_neg()))
         elif isinstance(v, (list, tuple)):
             out.append(_signature(v))
+        elif isinstance(v, torch.Generator):
+            out.append(torch.Generator)  # a fresh wrapper per call: its identity means nothing
         else:
             out.append((v.__class__, v))
     return tuple(out)
+
+
+# ---------------------------------------------------------------- structured ops: one message each
+
+
+_Tensor = torch.Tensor
+_CACHE_MAX = 4096  # signatures cached per op; past it the cache starts over
+_NOTHING = frozenset()
+
+
+def _slot_kinds(op) -> tuple[frozenset, frozenset]:
+    """The argument slots (positions and names) of ``op`` typed Tensor, and Scalar or Scalar[]."""
+    tensors, scalars = set(), set()
+    for index, arg in enumerate(op._schema.arguments):
+        t = arg.type
+        if isinstance(t, torch.OptionalType):
+            t = t.getElementType()
+        if isinstance(t, torch.ListType) and isinstance(t.getElementType(), torch.NumberType):
+            t = t.getElementType()  # Scalar[]: each number by its kind
+        kind = tensors if isinstance(t, torch.TensorType) else scalars if isinstance(t, torch.NumberType) else None
+        if kind is not None:
+            kind.add(arg.name)  # a positional argument may also arrive by keyword
+            if not arg.kwarg_only:
+                kind.add(index)
+    return frozenset(tensors), frozenset(scalars)
+
+
+def _call_key(args, kwargs, by_class, by_kind) -> tuple:
+    """What decides an op's output metadata, hashable: each tensor's dtype, shape, strides and
+    device kind (not its conj/neg bits: results are fresh either way); a non-tensor in
+    ``by_class`` by its class (a list by its items' classes), in ``by_kind`` by class and value,
+    any other by value (its type is fixed by the schema). No pytree walk: only lists
+    (``Tensor[]``, ``int[]``) are looked into. Raises TypeError if a value is unhashable."""
+    key = []
+    append = key.append
+    index = 0
+    for v in args:
+        if isinstance(v, _Tensor):
+            append((v.dtype, v.shape, v.stride(), v.is_cpu))
+        elif index in by_class:
+            append(tuple(x.__class__ for x in v) if v.__class__ is list else v.__class__)
+        elif index in by_kind:
+            append((v.__class__, tuple(v) if v.__class__ is list else v))
+        elif v.__class__ is list or v.__class__ is tuple:
+            append(_signature(v))
+        elif isinstance(v, torch.Generator):
+            append(torch.Generator)  # a fresh wrapper per call: its identity means nothing
+        else:
+            append(v)
+        index += 1
+    if kwargs:
+        for name, v in kwargs.items():
+            append(name)
+            if isinstance(v, _Tensor):
+                append((v.dtype, v.shape, v.stride(), v.is_cpu))
+            elif name in by_class:
+                append(tuple(x.__class__ for x in v) if v.__class__ is list else v.__class__)
+            elif name in by_kind:
+                append((v.__class__, tuple(v) if v.__class__ is list else v))
+            elif v.__class__ is list or v.__class__ is tuple:
+                append(_signature(v))
+            elif isinstance(v, torch.Generator):
+                append(torch.Generator)
+            else:
+                append(v)
+    return tuple(key)
+
+
+class DirectPlan:
+    """A structured op (``add.Tensor``, ``addmm``, ``mul_.Tensor`` …) registered as its own
+    PrivateUse1 kernel. Left to PyTorch's generic structured kernel it reaches the device as
+    two calls, ``empty`` (an Alloc that the node zeroes) and ``X.out`` (an op naming that
+    storage), with the C++ meta function run in between.
+
+    Here the first call with a new argument signature still takes that path (``composite``):
+    it raises C++'s own error at the user's line, and its result gives the exact output layout
+    C++ computed, which is cached for the signature. Every later call is one message: the
+    functional op with its outputs declared (the node stores the kernel's results under them:
+    nothing to allocate first, nothing to zero), or the in-place op itself.
+
+    The ``_foreach_*`` ops (the optimizers' multi-tensor paths) are served the same way: left
+    to their generic kernel they become one message per tensor; here one message carries the
+    whole list, and the node runs the same ``_foreach`` kernel a local run would.
+
+    The signature is each tensor's dtype, shape, strides and device kind, and every other
+    argument's value — except numbers in Scalar, Scalar[] or Tensor slots, whose kind alone
+    (bool, int, float, complex) decides the output's metadata, so a changing learning rate
+    does not grow the cache. A first call that needed a round trip (sizes that depend on data,
+    e.g. a boolean mask) is never cached."""
+
+    def __init__(self, op, composite):
+        """``op``: the OpOverload, or anything with its ``_schema`` (registration runs for
+        hundreds of ops at import and must not build an OpOverload for each: ``self.op``
+        resolves it on first use)."""
+        schema = op._schema
+        self.name = _op_name(op)
+        self.composite = composite
+        self.cache: dict = {}
+        # in place: on ``self`` (returned), or on the list ``self`` of a ``_foreach_`` op (-> ())
+        self.inplace = not schema.returns or schema.returns[0].alias_info is not None
+        self.source = _alias_sources(op)[0] if schema.returns and self.inplace else None
+        self.returns_list = len(schema.returns) == 1 and isinstance(schema.returns[0].type, torch.ListType)
+        self.numbers = _number_slots(op)
+        tensors, scalars = _slot_kinds(op)
+        self.typed = tensors | scalars  # numbers count by their kind alone in both
+        self.tensor_slots = tuple((i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments)
+                                  if isinstance(a.type, torch.TensorType) or (
+                                      isinstance(a.type, torch.OptionalType)
+                                      and isinstance(a.type.getElementType(), torch.TensorType)))
+        self._op = op if isinstance(op, torch._ops.OpOverload) else None
+        self._checker = None
+        self.local = False  # set once the op is seen to run on the client alone
+
+    @property
+    def op(self):
+        if self._op is None:
+            packet, _, overload = self.name[len("aten::"):].partition(".")
+            self._op = getattr(getattr(aten, packet), overload or "default")
+        return self._op
+
+    @staticmethod
+    def fits(schema) -> bool:
+        """Ops this plan serves (by schema): one or more fresh tensor results, or in place on
+        ``self`` with one result, or a ``_foreach_`` op in place on its list ``self`` or with a
+        fresh list as result; at least one tensor argument; no out= arguments."""
+        returns, arguments = schema.returns, schema.arguments
+        if any(a.is_out for a in arguments) or not arguments:
+            return False
+        if not any(_is_tensor_type(a.type) for a in arguments):
+            return False  # factories: their sizes come from values, not metadata
+        if schema.name.startswith("aten::_foreach_"):
+            first = arguments[0]
+            if not returns:  # in place on the list ``self``, and on nothing else
+                return (isinstance(first.type, torch.ListType) and first.alias_info is not None
+                        and first.alias_info.is_write
+                        and not any(a.alias_info is not None for a in arguments[1:]))
+            return (len(returns) == 1 and returns[0].alias_info is None and isinstance(returns[0].type, torch.ListType)
+                    and not any(a.alias_info is not None for a in arguments))
+        if not returns:
+            return False
+        if returns[0].alias_info is not None:
+            return (len(returns) == 1 and returns[0].alias_info.is_write and arguments[0].alias_info is not None
+                    and arguments[0].alias_info.is_write and bool(arguments[0].alias_info.before_set
+                                                                   & returns[0].alias_info.before_set))
+        if any(a.alias_info is not None for a in arguments):
+            return False
+        return all(r.alias_info is None and isinstance(r.type, torch.TensorType) for r in returns)
+
+    def key(self, args, kwargs):
+        return _call_key(args, kwargs, self.typed, _NOTHING)
+
+    def __call__(self, keyset, *args, **kwargs):
+        if self.local:
+            return self.composite.call_boxed(keyset, *args, **kwargs)
+        try:
+            key = _call_key(args, kwargs, self.typed, _NOTHING)
+            specs = self.cache.get(key)
+        except TypeError:  # an unhashable argument: no caching
+            key = specs = None
+        if specs is None:
+            return self._learn(key, keyset, args, kwargs)
+        if self.numbers:
+            args, kwargs = _numbers_as_tensors(self.numbers, args, kwargs)
+        rt = _runtime
+        if rt is None:
+            rt = runtime()
+        if self.inplace:
+            with rt.lock:
+                rt.submit(rt.conn.encode_op(rt.next_seq(), self.name, args, kwargs, ()))
+            if self.source is None:
+                return None
+            return args[0] if self.source[0] == 0 and args else _get_arg(args, kwargs, *self.source)
+        if self.returns_list:
+            return submit_with_outputs(self.name, args, kwargs, specs)
+        if len(specs) == 1:  # the common case, inlined
+            ((sizes, strides, dtype, code, nbytes),) = specs
+            with rt.lock:
+                storage_id = rt.reserve(nbytes)
+                t = _create_empty(sizes, dtype)
+                storage = _storage_at(storage_id, DEVICE, nbytes)
+                _set_storage(t, storage, 0, sizes, strides)
+                rt.track(storage_id, storage)
+                rt.submit(rt.conn.encode_op(rt.next_seq(), self.name, args, kwargs,
+                                            ((storage_id, nbytes, sizes, strides, code),)))
+            return t
+        return tuple(submit_with_outputs(self.name, args, kwargs, specs))
+
+    def _learn(self, key, keyset, args, kwargs):
+        for index, name, kwarg_only in self.tensor_slots:
+            if type(args[index] if not kwarg_only and index < len(args) else kwargs.get(name)) in _NUMBER_TYPES:
+                # a Python number in a Tensor slot (``x + 1``) cannot be handed back to the C++
+                # kernel from here: take the metadata from the meta kernel instead
+                return self._learn_from_meta(key, args, kwargs)
+        rt = runtime()
+        trips, sent = rt.round_trips, rt.ops_sent
+        result = self.composite.call_boxed(keyset, *args, **kwargs)
+        if key is None or rt.round_trips != trips or rt is not _runtime:
+            return result  # data-dependent sizes (or a debug mode that syncs every op): never cached
+        if rt.ops_sent == sent:
+            # it ran on the client alone: an in-place op on metadata (``as_strided_``,
+            # ``squeeze_``), which must stay local, or nothing at all
+            if self.inplace:
+                self.local = True
+            return result
+        if self.inplace:
+            specs = ()
+        else:
+            specs = _fresh_specs(result, args, kwargs)
+            if specs is None:
+                return result
+        self._remember(key, specs)
+        return result
+
+    def _remember(self, key, specs) -> None:
+        if len(self.cache) >= _CACHE_MAX:
+            self.cache.clear()
+        self.cache[key] = specs
+
+    def _learn_from_meta(self, key, args, kwargs):
+        if self._checker is None:
+            self._checker = FunctionalPlan(self.op)
+        entry = self._checker._compute(args, kwargs)
+        if entry is SYNC or entry is None:
+            # no metadata here, or the meta kernel raised: the node runs the op with a reply
+            # (so its error is raised at this line)
+            if self.numbers:
+                args, kwargs = _numbers_as_tensors(self.numbers, args, kwargs)
+            result = _call_sync(self.op, self.name, args, kwargs)
+            if self.inplace:
+                return _get_arg(args, kwargs, *self.source) if self.source is not None else None
+            return result
+        if self.inplace:
+            specs = ()
+        else:
+            template = entry.template
+            if not (template == 0 or (type(template) is tuple and template[0] == ("list" if self.returns_list else "tuple")
+                                      and template[1] == list(range(len(entry.specs))))):
+                return self._checker(self.op, args, kwargs)
+            specs = tuple(entry.specs)
+        if key is not None:
+            self._remember(key, specs)
+        if self.numbers:
+            args, kwargs = _numbers_as_tensors(self.numbers, args, kwargs)
+        if self.inplace:
+            rt = runtime()
+            with rt.lock:
+                rt.submit(rt.conn.encode_op(rt.next_seq(), self.name, args, kwargs, ()))
+            return _get_arg(args, kwargs, *self.source) if self.source is not None else None
+        tensors = submit_with_outputs(self.name, args, kwargs, specs)
+        if self.returns_list:
+            return tensors
+        return tensors[0] if len(tensors) == 1 else tuple(tensors)
+
+
+def _fresh_specs(result, args, kwargs):
+    """Output specs of a structured op's result when every tensor in it is fresh (a storage
+    of its own, at offset 0, no math bits); None otherwise."""
+    tensors = [result] if isinstance(result, _Tensor) else list(result) if isinstance(result, (tuple, list)) else None
+    if tensors is None:
+        return None
+    used = {storage_id_of(a) for a in (*args, *kwargs.values()) if isinstance(a, _Tensor) and on_device(a)}
+    specs = []
+    for t in tensors:
+        if (not isinstance(t, _Tensor) or not on_device(t) or t.storage_offset() or t.is_conj() or t.is_neg()
+                or storage_id_of(t) in used):
+            return None
+        spec = output_spec(t.shape, t.stride(), t.dtype)
+        if spec[4] != t.untyped_storage().nbytes():
+            return None
+        specs.append(spec)
+    return tuple(specs)
+
+
+_direct_plans: list = []
+
+
+class _Schema:
+    """Stands for an OpOverload where only its schema is read."""
+
+    __slots__ = ("_schema",)
+
+    def __init__(self, schema):
+        self._schema = schema
+
+
+def _register_direct(aten_library) -> None:
+    """Give every structured op still served by the generic composite kernel, and every
+    ``_foreach_`` op, a DirectPlan."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    computed = torch._C._dispatch_get_computed_kernel_for_dispatch_key
+    tracing = os.environ.get("GPUWIRE_TRACE", "") not in ("", "0")
+    special = {_op_name(op) for op in SPECIAL}
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if not qualified.startswith("aten::"):
+            continue
+        if not (has(qualified, "CompositeExplicitAutogradNonFunctional")
+                or (qualified.startswith("aten::_foreach_") and has(qualified, "CompositeExplicitAutograd"))):
+            continue
+        if has(qualified, "PrivateUse1") or has(qualified, "CompositeImplicitAutograd") or qualified in special:
+            continue
+        name = qualified[len("aten::"):]
+        packet, _, overload = name.partition(".")
+        try:
+            schema = torch._C._get_schema("aten::" + packet, overload)
+        except RuntimeError:
+            continue
+        if not DirectPlan.fits(schema):
+            continue
+        plan = DirectPlan(_Schema(schema), computed(qualified, DispatchKey.PrivateUse1))
+        _direct_plans.append(plan)
+        aten_library.impl(name, _traced_direct(plan) if tracing else plan, "PrivateUse1", with_keyset=True)
+
+
+def _traced_direct(plan):
+    def kernel(keyset, *args, **kwargs):
+        try:
+            cached = plan.cache.get(plan.key(args, kwargs)) is not None
+        except TypeError:
+            cached = False
+        result = plan(keyset, *args, **kwargs)
+        _debug(f"{plan.name} [DirectPlan{'' if cached else ', learning'}]", [_shape(a) for a in args],
+               {k: _shape(v) for k, v in kwargs.items()}, "->", _shape(result))
+        return result
+    return kernel
 
 
 def _to_meta(value):
@@ -526,6 +874,7 @@ def _to_meta(value):
     return value
 
 
+_FAKE_LOG = logging.getLogger("torch._subclasses.fake_tensor")
 _infer_as_cpu = False  # the node runs CPU kernels: infer output metadata on fake CPU tensors
 _fake_mode = None
 
@@ -894,6 +1243,7 @@ def register() -> None:
     _aten_library.impl("_to_copy", _to_copy, "PrivateUse1", with_keyset=True)
     from . import fused
     fused.register(_aten_library)
+    _register_direct(_aten_library)
     _registered = True
 
 

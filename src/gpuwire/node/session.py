@@ -147,6 +147,7 @@ class Session:
         # ``Tensor.get_device()`` of this session's tensors (-1: the CPU)
         self._device_index = -1 if self.device.type == "cpu" else (self.device.index or 0)
         self._overwriting = None  # storage id an op is filling in place of zeroing it
+        self._thread = None  # the thread that last ran this session's commands
 
     # ------------------------------------------------------------ decoding hooks
 
@@ -359,6 +360,9 @@ class Session:
         seq = getattr(event, "seq", 0)
         self.last_seq = seq
         cls = type(event)
+        if self._thread != threading.get_ident():
+            _apply_thread_count()
+            self._thread = threading.get_ident()
         try:
             if self.decode_error is not None:
                 exc, self.decode_error = self.decode_error, None
@@ -712,6 +716,15 @@ class Session:
             self.lease_expiry = float(claims["exp"])
             return {"expires": self.lease_expiry}
         raise SessionError(f"unknown query {what!r}")
+
+
+def _apply_thread_count() -> None:
+    """Make the calling thread's kernels use the process's intra-op thread count
+    (``serve --threads``). ``torch.set_num_threads`` in the main thread sets it for threads
+    torch starts itself, but a session thread's BLAS calls keep the library's default (every
+    core) until the thread sets it: on a small node that means kernels that compete with each
+    other, and with the client, for cores."""
+    torch.set_num_threads(torch.get_num_threads())
 
 
 def _dense(t: torch.Tensor) -> bool:

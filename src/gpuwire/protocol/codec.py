@@ -33,6 +33,7 @@ DTYPE_NAMES = (
 )
 DTYPE_CODES = {name: code for code, name in enumerate(DTYPE_NAMES)}
 DTYPE_ITEMSIZE = (4, 8, 2, 2, 1, 1, 2, 4, 8, 1, 8, 16, 4, 2, 4, 8, 1, 1, 1, 1)
+_N_DTYPES = len(DTYPE_NAMES)
 
 MEMORY_FORMAT_NAMES = ("contiguous_format", "channels_last", "channels_last_3d", "preserve_format")
 LAYOUT_NAMES = ("strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "_mkldnn", "jagged")
@@ -49,6 +50,8 @@ EXT_INLINE_TENSOR = 8
 EXT_NEW_TENSOR = 9
 
 MAX_DIMS = 64
+_U64 = 2**64
+_I62 = 2**62
 _COMPLEX = struct.Struct("!dd")
 
 
@@ -63,9 +66,24 @@ def pack_tensor_ref(storage_id: int, offset: int, sizes, strides, dtype_code: in
 def unpack_tensor_ref_fields(data: bytes) -> tuple:
     """Validated fields of a tensor descriptor: (storage_id, offset, sizes, strides, dtype, flags)."""
     try:
-        storage_id, offset, sizes, strides, dtype, flags = msgpack.unpackb(data, use_list=False, max_array_len=MAX_DIMS)
+        fields = msgpack.unpackb(data, use_list=False, max_array_len=MAX_DIMS)
+        storage_id, offset, sizes, strides, dtype, flags = fields
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise DecodeError(f"malformed tensor descriptor: {exc}") from None
+    # every node op decodes a few of these: the common, valid case is checked inline; anything
+    # else takes the checks below, which say what is wrong
+    if (type(storage_id) is int and 0 <= storage_id < _U64 and type(offset) is int and 0 <= offset <= _I62
+            and type(dtype) is int and 0 <= dtype < _N_DTYPES and type(flags) is int and 0 <= flags <= 3
+            and type(sizes) is tuple and type(strides) is tuple and len(sizes) == len(strides)):
+        for s in sizes:
+            if type(s) is not int or not 0 <= s <= _I62:
+                break
+        else:
+            for s in strides:
+                if type(s) is not int or not -_I62 <= s <= _I62:
+                    break
+            else:
+                return fields
     _check_int(storage_id, "storage id", 0, 2**64 - 1)
     _check_int(offset, "storage offset", 0, 2**62)
     _check_dims(sizes, strides)
