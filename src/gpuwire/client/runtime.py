@@ -49,6 +49,10 @@ from .wire import encode_default
 
 FLUSH_OPS = 64
 FLUSH_BYTES = 1 << 20
+# a queued command waits at most this long (seconds) for company: sent with the next command
+# after it, so the node starts on a step's first (often largest) kernels while the client is
+# still dispatching the rest
+FLUSH_AGE = 200e-6
 CHUNK_BYTES = 16 << 20  # bulk transfers travel in frames of at most this many bytes
 COPY_PAYLOAD_BELOW = 256 << 10  # smaller uploads are copied into the queue; larger ones sent at once
 FIRST_ADDRESS = 1 << 32
@@ -91,6 +95,7 @@ class Runtime:
         self.bytes_received = 0
         self._queue: list = []
         self._queue_bytes = 0
+        self._queued_at = 0.0  # perf_counter() when the oldest queued command was queued
         self._next_address = FIRST_ADDRESS
         self._live: dict[int, StorageWeakRef] = {}
         self._live_bytes: dict[int, int] = {}
@@ -232,11 +237,15 @@ class Runtime:
     def enqueue(self, frame: bytes) -> None:
         """Queue an encoded command (the one just numbered ``self.seq``); flush when the batch
         is large enough."""
-        self._queue.append(frame)
+        queue = self._queue
+        now = time.perf_counter()
+        if not queue:
+            self._queued_at = now
+        queue.append(frame)
         self._queue_bytes += len(frame)
         if self.recovery.logging:
             self.recovery.log(self.seq, frame)
-        if len(self._queue) >= FLUSH_OPS or self._queue_bytes >= FLUSH_BYTES:
+        if len(queue) >= FLUSH_OPS or self._queue_bytes >= FLUSH_BYTES or now - self._queued_at > FLUSH_AGE:
             self._flush()
 
     def _flush(self) -> None:
