@@ -176,7 +176,7 @@ def test_drain_during_training_moves_the_session_and_changes_nothing(cluster, re
     """`gpuwire drain NODE` mid-run: the session moves node to node at a sync point, the pause is
     reported, the node ends drained, and the weights are those of an undisturbed run."""
     _ensure_all_alive(cluster)
-    steps = 40
+    steps = 100
     expected = reference("gpt2", steps)
     drained = []
 
@@ -184,6 +184,7 @@ def test_drain_during_training_moves_the_session_and_changes_nothing(cluster, re
         if step == 10:
             node_id = lease_node(cluster)
             drained.append(node_id)
+            cluster.admin.drain_node(node_id)  # now; the command below (slower to start) waits for the end
             drained.append(subprocess.Popen(
                 [sys.executable, "-m", "gpuwire", "drain", node_id, "--pool", cluster.pool.url,
                  "--api-key", cluster.pool.admin_key, "--timeout", "120"],
