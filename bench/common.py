@@ -276,18 +276,16 @@ class Context:
 
     # children
     def spawn(self, cmd: list[str], *, what: str, env: dict | None = None) -> Child:
-        if self.aborted:
-            raise TimeoutError(f"not starting a {what}: {self.aborted}")
-        child = Child(cmd, what=what, env=env)
-        with self._lock:
-            self._children.append(child)
-        return child
+        return self._start(Child, cmd, what, env)
 
     def worker(self, cmd: list[str], *, what: str, env: dict | None = None) -> Worker:
         """A banner-less child (killed with the others at the end, on error or overrun)."""
+        return self._start(Worker, cmd, what, env)
+
+    def _start(self, kind, cmd: list[str], what: str, env: dict | None):
         if self.aborted:
             raise TimeoutError(f"not starting a {what}: {self.aborted}")
-        child = Worker(cmd, what=what, env=env)
+        child = kind(cmd, what=what, env=env)
         with self._lock:
             self._children.append(child)
         return child

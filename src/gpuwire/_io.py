@@ -4,6 +4,34 @@ from __future__ import annotations
 
 import socket
 
+from .protocol import CLOSED, NEED_DATA
+
+
+def dial(host: str, port: int, timeout: float, tls=None) -> socket.socket:
+    """A TCP connection (TLS over it with ``tls``, an ``ssl.SSLContext``), TCP_NODELAY set.
+    Raises what the socket raises; nothing is left open on failure."""
+    sock = socket.create_connection((host, port), timeout=timeout)
+    try:
+        if tls is not None:
+            sock = tls.wrap_socket(sock, server_hostname=host)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def read_event(sock: socket.socket, conn, peer: str = "the peer"):
+    """Block until ``conn`` (a ``protocol.Connection``) yields an event; ConnectionError if
+    ``peer`` closes first. For handshakes and other one-off exchanges, not the hot path."""
+    while True:
+        event = conn.next_event()
+        if event is CLOSED:
+            raise ConnectionError(f"{peer} closed the connection")
+        if event is not NEED_DATA:
+            return event
+        conn.receive_data(sock.recv(1 << 16))
+
 
 def send_parts(sock: socket.socket, parts: list) -> int:
     """Write every buffer in ``parts`` (bytes, bytearrays, memoryviews) with scatter-gather

@@ -24,6 +24,7 @@ import os
 import sys
 import threading
 import weakref
+from itertools import chain
 
 import torch
 from torch._C import DispatchKey, DispatchKeySet
@@ -569,13 +570,14 @@ def _call_key(args, kwargs, by_class, by_kind) -> tuple:
     (``Tensor[]``, ``int[]``) are looked into. Raises TypeError if a value is unhashable."""
     key = []
     append = key.append
-    index = 0
-    for v in args:
+    for slot, v in chain(enumerate(args), kwargs.items()) if kwargs else enumerate(args):
+        if slot.__class__ is str:
+            append(slot)  # a keyword argument: its name, then its value's key
         if isinstance(v, _Tensor):
             append((v.dtype, v.shape, v.stride(), v.is_cpu))
-        elif index in by_class:
+        elif slot in by_class:
             append(tuple(x.__class__ for x in v) if v.__class__ is list else v.__class__)
-        elif index in by_kind:
+        elif slot in by_kind:
             append((v.__class__, tuple(v) if v.__class__ is list else v))
         elif v.__class__ is list or v.__class__ is tuple:
             append(_signature(v))
@@ -583,22 +585,6 @@ def _call_key(args, kwargs, by_class, by_kind) -> tuple:
             append(torch.Generator)  # a fresh wrapper per call: its identity means nothing
         else:
             append(v)
-        index += 1
-    if kwargs:
-        for name, v in kwargs.items():
-            append(name)
-            if isinstance(v, _Tensor):
-                append((v.dtype, v.shape, v.stride(), v.is_cpu))
-            elif name in by_class:
-                append(tuple(x.__class__ for x in v) if v.__class__ is list else v.__class__)
-            elif name in by_kind:
-                append((v.__class__, tuple(v) if v.__class__ is list else v))
-            elif v.__class__ is list or v.__class__ is tuple:
-                append(_signature(v))
-            elif isinstance(v, torch.Generator):
-                append(torch.Generator)
-            else:
-                append(v)
     return tuple(key)
 
 

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 
+from .._io import dial, read_event, send_parts
 from ..protocol import ProtocolError
 from ..protocol.events import Alloc, Query, Reject, Restore, Write
 from .errors import ConnectionLost
@@ -224,36 +224,38 @@ class Recovery:
         return True
 
     def _rebuild_somewhere(self, outcome, deadline: float) -> None:
+        """Rebuild the session: on the same node when only it can take us (no pool: wait for it
+        to come back until ``deadline``) or when it answers without our session (it restarted);
+        else on the node of a replacement lease from the pool."""
         rt = self.rt
-        tried_same = False
+        failures = (OSError, ProtocolError, ConnectionError, _Refused)
+        if not self._pool_available():
+            while True:
+                try:
+                    return self._rebuild(rt.address, rt.token)
+                except failures as exc:
+                    if time.monotonic() > deadline:
+                        raise rt._lost(exc, f"node {rt.address} is gone and no pool is configured to replace "
+                                            f"it ({exc}); remote tensors are lost") from None
+                    time.sleep(0.5)
+        if outcome is False:
+            try:
+                return self._rebuild(rt.address, rt.token)
+            except failures:
+                pass
         while True:
-            if outcome is False or not self._pool_available():
-                if not tried_same or not self._pool_available():
-                    tried_same = True
-                    try:
-                        self._rebuild(rt.address, rt.token)
-                        return
-                    except (OSError, ProtocolError, ConnectionError, _Refused) as exc:
-                        if not self._pool_available():
-                            if time.monotonic() > deadline:
-                                raise rt._lost(exc, f"node {rt.address} is gone and no pool is configured to "
-                                                    f"replace it ({exc}); remote tensors are lost") from None
-                            time.sleep(0.5)
-                            continue
             address, token = self._replacement("lost", rt.address)
             try:
-                self._rebuild(address, token)
-                return
-            except (OSError, ProtocolError, ConnectionError, _Refused) as exc:
+                return self._rebuild(address, token)
+            except failures as exc:
                 _say(f"rebuilding the session on {address} failed ({exc}); asking the pool again")
-                outcome = None
                 time.sleep(0.5)
 
     def _rebuild(self, address: str, token: str | None) -> None:
         """A fresh session at ``address``: the snapshot, the op names, then the replay log."""
         rt = self.rt
         old_conn = rt.conn
-        self._open(address, token, fresh=True)
+        self._open(address, token)
         conn = rt.conn
         conn.continue_encoding_from(old_conn)
         frames = []
@@ -273,23 +275,19 @@ class Recovery:
         frames.extend(frame for _, frame, _ in self._log)
         self._send(frames)
 
-    def _open(self, address: str, token: str | None, *, resume: dict | None = None, fresh: bool = False):
+    def _open(self, address: str, token: str | None, *, resume: dict | None = None):
         """Connect and handshake; on success the runtime talks to the new connection."""
+        from ..security.tls import client_context_from_env
         from .runtime import parse_address
 
         rt = self.rt
         host, port = parse_address(address)
         timeout = min(rt.connect_timeout, 5.0)
-        sock = socket.create_connection((host, port), timeout=timeout)
+        sock = dial(host, port, timeout, client_context_from_env())
         try:
-            from ..security.tls import client_context_from_env
-            tls = client_context_from_env()
-            if tls is not None:
-                sock = tls.wrap_socket(sock, server_hostname=host)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = rt.new_connection()
             sock.sendall(conn.send(rt._hello(token, resume)))
-            welcome = _read_one(sock, conn)
+            welcome = read_event(sock, conn, "the node")
         except BaseException:
             _close(sock)
             raise
@@ -304,16 +302,11 @@ class Recovery:
         sock.settimeout(None)
         rt._sock, rt.conn = sock, conn
         rt.address, rt.host, rt.port, rt.token = address, host, port, token
-        rt.session_id = welcome.session_id
-        rt.resume_key = welcome.resume.get("key")
-        rt.device_info = dict(welcome.device)
-        budget = welcome.limits.get("memory_budget") if isinstance(welcome.limits, dict) else None
-        rt.memory_budget = budget if isinstance(budget, int) and budget > 0 else None
+        rt.adopt_welcome(welcome)
         rt._dead = None
         return welcome
 
     def _send(self, frames: list) -> None:
-        from .._io import send_parts
         if frames:
             self.rt.bytes_sent += send_parts(self.rt._sock, frames)
 
@@ -398,18 +391,6 @@ class _Refused(Exception):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
-
-
-def _read_one(sock, conn):
-    from ..protocol import CLOSED, NEED_DATA
-    while True:
-        event = conn.next_event()
-        if event is CLOSED:
-            raise ConnectionError("the node closed the connection during the handshake")
-        if event is not NEED_DATA:
-            return event
-        data = sock.recv(1 << 16)
-        conn.receive_data(data)
 
 
 def _close(sock) -> None:

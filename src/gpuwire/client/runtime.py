@@ -22,7 +22,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import __version__
-from .._io import send_parts
+from .._io import dial, send_parts
 from ..protocol import CLOSED, NEED_DATA, Connection, ProtocolError, Role, VersionMismatch
 from ..protocol.events import (
     Alloc,
@@ -41,6 +41,7 @@ from ..protocol.events import (
     SetRngState,
     Sync,
     SyncDone,
+    Welcome,
     Write,
 )
 from .errors import ConnectionLost, NodeUnreachable, RemoteError, remote_error
@@ -135,10 +136,8 @@ class Runtime:
         except TLSConfigError as exc:
             raise NodeUnreachable(str(exc)) from None
         try:
-            sock = socket.create_connection((self.host, self.port), timeout=timeout)
-            if tls is not None:
-                sock = tls.wrap_socket(sock, server_hostname=self.host)
-                self.tls = True
+            sock = dial(self.host, self.port, timeout, tls)
+            self.tls = tls is not None
         except ssl.SSLCertVerificationError as exc:
             raise NodeUnreachable(f"the TLS certificate of {self.address} is not trusted: {exc.verify_message}; "
                                   "check GPUWIRE_TLS_CA names the CA that signed the node's certificate") from None
@@ -151,7 +150,6 @@ class Runtime:
         except OSError as exc:
             raise NodeUnreachable(f"cannot connect to a gpuwire node at {self.address}: {exc.strerror or exc}; "
                                   "start one with `gpuwire serve` or fix GPUWIRE_NODE") from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
     def _handshake(self, token: str | None, timeout: float) -> None:
@@ -172,13 +170,18 @@ class Runtime:
         if isinstance(event, Reject):
             self._sock.close()
             raise NodeUnreachable(f"node {self.address} refused the session: {event.reason}")
-        self.welcome = event
-        self.device_info = dict(event.device)
-        budget = event.limits.get("memory_budget") if isinstance(event.limits, dict) else None
-        self.memory_budget = budget if isinstance(budget, int) and budget > 0 else None
-        self.session_id = event.session_id
-        self.resume_key = event.resume.get("key") if isinstance(event.resume, dict) else None
+        self.adopt_welcome(event)
         self._sock.settimeout(None)
+
+    def adopt_welcome(self, welcome: Welcome) -> None:
+        """What a node's Welcome tells this session (at the start, and after a reconnect,
+        a rebuild or a move to another node)."""
+        self.welcome = welcome
+        self.device_info = dict(welcome.device)
+        budget = welcome.limits.get("memory_budget")
+        self.memory_budget = budget if isinstance(budget, int) and budget > 0 else None
+        self.session_id = welcome.session_id
+        self.resume_key = welcome.resume.get("key")
 
     def new_connection(self) -> Connection:
         return Connection(Role.CLIENT, default=encode_default, payload_sink=self._data_sink)

@@ -12,14 +12,13 @@ What crosses the boundary: a Session in, a small dict (address, session id, resu
 from __future__ import annotations
 
 import logging
-import socket
 import time
 
 import torch
 
 from .. import __version__
-from .._io import send_parts
-from ..protocol import CLOSED, NEED_DATA, Connection, Role
+from .._io import dial, read_event, send_parts
+from ..protocol import Connection, Role
 from ..protocol.events import Alloc, Error, Hello, Reject, Restore, Sync, SyncDone, Write
 
 log = logging.getLogger("gpuwire.node")
@@ -38,18 +37,15 @@ def push_session(session, address: str, token: str | None, *, tls_context=None, 
     host, port = parse_address(address)
     started = time.monotonic()
     try:
-        sock = socket.create_connection((host, port), timeout=timeout)
-        if tls_context is not None:
-            sock = tls_context.wrap_socket(sock, server_hostname=host)
+        sock = dial(host, port, timeout, tls_context)
     except OSError as exc:
         raise MigrationError(f"cannot reach the target node {address}: {exc}") from None
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     conn = Connection(Role.CLIENT)
     try:
         sock.sendall(conn.send(Hello(client_version=__version__, token=token, capabilities=["sync-ops"],
                                      options={"pid": session.client_pid, "durable": PARK_SECONDS,
                                               "share": session.share})))
-        welcome = _next(sock, conn)
+        welcome = read_event(sock, conn, "the target node")
         if isinstance(welcome, Reject):
             raise MigrationError(f"the target node {address} refused the session: {welcome.reason}")
         if not welcome.resume.get("key"):
@@ -71,7 +67,7 @@ def push_session(session, address: str, token: str | None, *, tls_context=None, 
         state = session.export_state()
         sock.sendall(conn.send(Restore(seq=0, **state)))
         sock.sendall(conn.send(Sync(seq=0)))
-        reply = _next(sock, conn)
+        reply = read_event(sock, conn, "the target node")
         if isinstance(reply, Error):
             raise MigrationError(f"the target node {address} could not rebuild the session: {reply.message}")
         if not isinstance(reply, SyncDone):
@@ -85,14 +81,3 @@ def push_session(session, address: str, token: str | None, *, tls_context=None, 
              moved, seconds)
     return {"address": address, "session": welcome.session_id, "key": welcome.resume["key"],
             "bytes": moved, "seconds": round(seconds, 4)}
-
-
-def _next(sock: socket.socket, conn: Connection):
-    while True:
-        event = conn.next_event()
-        if event is CLOSED:
-            raise ConnectionError("the target node closed the connection")
-        if event is not NEED_DATA:
-            return event
-        data = sock.recv(1 << 20)
-        conn.receive_data(data)

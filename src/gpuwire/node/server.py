@@ -21,7 +21,7 @@ from time import perf_counter
 from .. import __version__
 from .._io import send_parts
 from ..protocol import CLOSED, NEED_DATA, Connection, Limits, ProtocolError, Role, check_hello
-from ..protocol.events import Data, Goodbye, Hello, Notice, Read, Reject, Restore, Welcome
+from ..protocol.events import Data, Goodbye, Hello, Notice, Read, Reject, Welcome
 from .backend import Backend
 from .ops import OpTable
 from .scheduler import FairScheduler
@@ -477,14 +477,7 @@ class NodeServer:
                     seq = event.seq
                     if seq <= session.replay_floor and seq and cls is not Read:
                         continue  # resent after a reconnect, but this node already ran it
-                    if cls is Restore:
-                        reply = None
-                        try:
-                            session.restore(event)
-                        except Exception as exc:  # noqa: BLE001
-                            session._fail(seq, "Restore", exc)
-                    else:
-                        reply = handle(event)
+                    reply = handle(event)
                     if seq > session.applied_seq:
                         session.applied_seq = seq
                     if reply is not None:

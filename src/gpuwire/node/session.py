@@ -29,6 +29,7 @@ from ..protocol.events import (
     Op,
     Query,
     Read,
+    Restore,
     Result,
     Seed,
     SetRngState,
@@ -122,7 +123,6 @@ class Session:
         self.node_info = None  # set by the server: node-wide facts for `gpuwire smi`
         self.client_pid = 0
         self.client_version = ""
-        self.last_seq = 0
         # failover: the highest command seq applied; commands at or below ``replay_floor`` that
         # a resumed client resends are skipped (never run twice); replies kept for a resume
         self.applied_seq = 0
@@ -358,7 +358,6 @@ class Session:
     def handle(self, event):
         """Run one event; return the reply event or None. Never raises for a client's mistake."""
         seq = getattr(event, "seq", 0)
-        self.last_seq = seq
         cls = type(event)
         if self._thread != threading.get_ident():
             _apply_thread_count()
@@ -399,6 +398,9 @@ class Session:
                     self.rng.acquire(self)
                     self.rng.generator.set_state(state)
                     self.rng_state = state
+                return None
+            if cls is Restore:
+                self.restore(event)
                 return None
         except Exception as exc:  # noqa: BLE001 - any failure is the client's to see
             self._fail(seq, _describe(event), exc)
@@ -762,7 +764,7 @@ def _no_room(op: str, nbytes: int, room: int, how: str = "") -> torch.OutOfMemor
 # argument signature, so it is cached process-wide (all sessions).
 # A signature is a flat tuple that cannot be ambiguous: a tensor contributes (sizes, strides,
 # dtype), a list a tuple opened by ``_LIST``, a non-int scalar its value then its type (so
-# 1, 1.0 and True differ), keyword arguments follow ``_KWARGS``.
+# 1, 1.0 and True differ); keyword arguments follow ``_KWARGS`` and the tuple of their names.
 
 _TENSOR = torch.Tensor
 _META = torch.device("meta")
@@ -803,43 +805,21 @@ def _op_kind(name: str, fn) -> str:
 
 def _signature(name: str, args, kwargs, strided: bool) -> tuple:
     key = [name]
-    add = key.append
-    for a in args:
-        tp = type(a)
-        if tp is _TENSOR:
-            add(a.shape)
-            if strided:
-                add(a.stride())
-            add(a.dtype)
-        elif tp is int or a is None:
-            add(a)
-        elif tp is list:
-            add(_list_signature(a, strided))
-        else:
-            add(a)
-            add(tp)
+    _add_signature(key, args, strided)
     if kwargs:
-        add(_KWARGS)
-        for k, a in kwargs.items():
-            add(k)
-            tp = type(a)
-            if tp is _TENSOR:
-                add(a.shape)
-                if strided:
-                    add(a.stride())
-                add(a.dtype)
-            elif tp is int or a is None:
-                add(a)
-            elif tp is list:
-                add(_list_signature(a, strided))
-            else:
-                add(a)
-                add(tp)
+        key.append(_KWARGS)
+        key.append(tuple(kwargs))
+        _add_signature(key, kwargs.values(), strided)
     return tuple(key)
 
 
 def _list_signature(values: list, strided: bool) -> tuple:
     key = [_LIST]
+    _add_signature(key, values, strided)
+    return tuple(key)
+
+
+def _add_signature(key: list, values, strided: bool) -> None:
     add = key.append
     for a in values:
         tp = type(a)
@@ -855,7 +835,6 @@ def _list_signature(values: list, strided: bool) -> tuple:
         else:
             add(a)
             add(tp)
-    return tuple(key)
 
 
 def _to_meta(value, tensors: list):

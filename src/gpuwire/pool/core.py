@@ -333,7 +333,7 @@ class Pool:
                               state=lease.state, reason=lease.reason)
             old_nodes = {a.node_id for a in lease.allocations}
             if lease.state == ACTIVE and lost_address is not None:
-                addresses = {(self.store.get_node(n).address if self.store.get_node(n) else None) for n in old_nodes}
+                addresses = {node.address for node in map(self.store.get_node, old_nodes) if node is not None}
                 if lost_address not in addresses:
                     # already moved off the lost node (a drain or an earlier report): that is the answer
                     return self.lease_view(lease, tokens=True)
