@@ -52,6 +52,50 @@ def test_node_refuses_sessions_without_a_valid_lease_token(cluster):
         lease.release()
 
 
+def test_a_session_moves_only_to_the_node_its_own_lease_token_names(cluster):
+    """A drain's ``migrate:`` makes the node push the session's memory to another node: the
+    target must be the address a pool-signed token for the session's own lease names."""
+    import json
+    import socket
+
+    from gpuwire.client.errors import RemoteError
+    from gpuwire.protocol.events import Query
+
+    pool, node, key = cluster
+    tenant = _tenant(pool, key)
+    lease = tenant.request_lease(memory="16MiB", share=0.25)
+    other = tenant.request_lease(memory="16MiB", share=0.25)
+    bait = socket.create_server(("127.0.0.1", 0))
+    bait.settimeout(0.5)
+    bait_address = f"127.0.0.1:{bait.getsockname()[1]}"
+    try:
+        rt = Runtime(node.address, token=lease.token)
+        data = torch.arange(1000, dtype=torch.float32)
+        storage = rt.allocate(data.nbytes)
+        rt.write(storage, 0, memoryview(data.numpy().tobytes()))
+
+        def move(address, token):
+            query = Query(seq=rt.next_seq(), what="migrate:" + json.dumps({"address": address, "token": token}))
+            return rt.request(query)
+
+        with pytest.raises(RemoteError, match="not the node the lease token names"):
+            move(bait_address, lease.token)
+        with pytest.raises(RemoteError, match="another lease than this session's"):
+            move(node.address, other.token)
+        with pytest.raises(RemoteError, match="lease token is refused"):
+            move(bait_address, lease.token[:-4] + ("AAAA" if not lease.token.endswith("AAAA") else "BBBB"))
+        with pytest.raises(socket.timeout):
+            bait.accept()  # the node never dialled the address it was given
+        out = bytearray(data.nbytes)
+        rt.read(storage, 0, data.nbytes, into=memoryview(out))
+        assert bytes(out) == data.numpy().tobytes()  # the session is intact where it was
+        rt.close()
+    finally:
+        bait.close()
+        lease.release()
+        other.release()
+
+
 def test_expired_lease_ends_the_session_and_frees_memory(cluster):
     pool, node, key = cluster
     lease = _tenant(pool, key).request_lease(memory="32MiB", share=0.25, ttl=2)

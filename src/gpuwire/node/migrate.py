@@ -31,9 +31,35 @@ class MigrationError(Exception):
     """The session could not be moved; it stays where it is, intact."""
 
 
+def check_target(session, address: str, token: str | None) -> None:
+    """Refuse a move anywhere but to the node a pool-signed token for this session's own lease
+    names: otherwise a client could make a node push a session's memory to any host."""
+    from ..client.runtime import parse_address
+
+    verifier = getattr(session, "token_verifier", None)
+    any_node = getattr(verifier, "any_node", None)
+    if session.lease_id is None or any_node is None:
+        raise MigrationError("only sessions of pool leases on a pool-mode node can move node to node")
+    try:
+        claims = any_node(token or "")
+    except Exception as exc:  # noqa: BLE001 - every token error is a refusal
+        raise MigrationError(f"the target's lease token is refused: {exc}") from None
+    if claims.get("lease") != session.lease_id:
+        raise MigrationError("the target's lease token is for another lease than this session's")
+    named = claims.get("addr")
+    try:
+        same = named is not None and parse_address(named) == parse_address(address)
+    except ValueError:
+        same = False
+    if not same:
+        raise MigrationError(f"the target address {address} is not the node the lease token names "
+                             f"({named or 'no address'}): a session moves only to the node its new lease is on")
+
+
 def push_session(session, address: str, token: str | None, *, tls_context=None, timeout: float = 30.0) -> dict:
     from ..client.runtime import parse_address
 
+    check_target(session, address, token)
     host, port = parse_address(address)
     started = time.monotonic()
     try:

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from .client import PoolClient, PoolError, PoolUnreachable
 from .tokens import (TokenError, TokenExpired, TokenInvalid, TokenUnverifiable,  # noqa: F401 - re-exported
-                     TokenWrongNode, load_public_key, verify)
+                     TokenWrongNode, load_public_key, verify, verify_signature)
 
 log = logging.getLogger("gpuwire.pool.agent")
 
@@ -243,6 +243,13 @@ class TokenVerifier:
             self._kid = reply.get("kid")
 
     def __call__(self, token: str) -> dict:
+        return verify(token, self._key_for(token), self.node_id, leeway=self.leeway)
+
+    def any_node(self, token: str) -> dict:
+        """The claims of a token the pool signed for any node (a session move's target)."""
+        return verify_signature(token, self._key_for(token), leeway=self.leeway)
+
+    def _key_for(self, token: str):
         if self._url is not None:
             kid = _unverified_kid(token)
             stale = self._key is None or (kid is not None and self._kid is not None and kid != self._kid)
@@ -255,7 +262,7 @@ class TokenVerifier:
                                                 f"fetched from {self._url}: {exc.message}") from None
         if self._key is None:
             raise TokenUnverifiable("cannot check lease tokens: no public key of the pool")
-        return verify(token, self._key, self.node_id, leeway=self.leeway)
+        return self._key
 
 
 def _unverified_kid(token: str) -> str | None:

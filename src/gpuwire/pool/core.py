@@ -615,7 +615,8 @@ class Pool:
             if tokens and lease.state == ACTIVE:
                 item["token"] = self.signer.issue(lease_id=lease.id, tenant=lease.tenant, node_id=a.node_id,
                                                   device=a.device, memory=a.memory, share=a.share,
-                                                  expires_at=lease.expires_at, now=now)
+                                                  expires_at=lease.expires_at, now=now,
+                                                  address=node.address if node else None)
             allocations.append(item)
         first = allocations[0] if allocations else {}
         view = {"id": lease.id, "tenant": lease.tenant, "state": lease.state, "reason": lease.reason,

@@ -98,11 +98,15 @@ class Signer:
                                             serialization.PublicFormat.SubjectPublicKeyInfo).decode()
 
     def issue(self, *, lease_id: str, tenant: str, node_id: str, device: int, memory: int, share: float,
-              expires_at: float, now: float | None = None) -> str:
+              expires_at: float, now: float | None = None, address: str | None = None) -> str:
         now = time.time() if now is None else now
         claims = {"iss": ISSUER, "aud": AUDIENCE, "sub": tenant, "jti": lease_id, "lease": lease_id,
                   "tenant": tenant, "node": node_id, "device": int(device), "memory": int(memory),
                   "share": float(share), "iat": int(now), "exp": int(expires_at)}
+        if address:
+            # where the node listens: a node moving a session (drain) connects only to the address
+            # a token signed for the same lease names, never to one a client made up
+            claims["addr"] = address
         return jwt.encode(claims, self.private_key, algorithm=ALGORITHM, headers={"kid": self.kid})
 
 
@@ -112,6 +116,17 @@ def verify(token: str, public_key: str | bytes | Ed25519PublicKey, node_id: str,
 
     Raises ``TokenExpired``, ``TokenWrongNode`` or ``TokenInvalid`` (all ``TokenError``).
     """
+    claims = verify_signature(token, public_key, leeway=leeway)
+    if claims["node"] != node_id:
+        raise TokenWrongNode(f"this lease token is for node {claims['node']!r}, not this node ({node_id!r}): "
+                             "connect to the node the lease names")
+    return claims
+
+
+def verify_signature(token: str, public_key: str | bytes | Ed25519PublicKey, *,
+                     leeway: float = DEFAULT_LEEWAY) -> dict[str, Any]:
+    """The claims of ``token`` if the pool signed it and it has not expired, whichever node it
+    names: for checking a token meant for another node (the target of a session move)."""
     if not isinstance(token, str) or not token or len(token) > 8192:
         raise TokenInvalid("no lease token, or not a token: ask the pool for a lease (gpuwire run --pool ...)")
     key = load_public_key(public_key)
@@ -127,9 +142,6 @@ def verify(token: str, public_key: str | bytes | Ed25519PublicKey, node_id: str,
     except jwt.PyJWTError as exc:
         raise TokenInvalid(f"invalid lease token: {exc}") from None
     _check_claims(claims)
-    if claims["node"] != node_id:
-        raise TokenWrongNode(f"this lease token is for node {claims['node']!r}, not this node ({node_id!r}): "
-                             "connect to the node the lease names")
     return claims
 
 
@@ -146,3 +158,5 @@ def _check_claims(claims: dict) -> None:
     share = claims["share"]
     if type(share) not in (int, float) or not (0.0 < share <= 1.0):
         bad("claim 'share' must be in (0, 1]")
+    if "addr" in claims and (not isinstance(claims["addr"], str) or not claims["addr"]):
+        bad("claim 'addr' must be a non-empty string")
