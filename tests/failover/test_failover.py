@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -170,6 +171,56 @@ def test_killed_during_a_bulk_upload_then_during_torch_save(cluster, reference, 
     mid = torch.load(out + ".mid")  # the last mid-run save, written after both failovers
     assert_same_weights(torch.load(out), expected)
     assert mid.keys() == expected.keys()
+
+
+def test_no_replacement_fits_so_the_job_waits_in_the_queue_then_finishes(cluster, reference, tmp_path):
+    """The node dies while every other GPU is full: the job waits in the pool's queue (saying
+    where it stands) instead of failing, and finishes identically once a GPU frees up."""
+    _ensure_all_alive(cluster)
+    steps = 40
+    expected = reference("cnn", steps)
+    from gpuwire.pool.client import PoolClient
+    tenant = PoolClient(cluster.pool.url, cluster.tenant_key)
+    hogs, events = [], []
+
+    def free_a_gpu_once_queued(job_lease: str) -> None:
+        try:
+            wait_until(lambda: any(l["id"] == job_lease and l["state"] == "queued"
+                                   for l in cluster.admin.leases()), timeout=60, what="job queued")
+            events.append("queued")
+            time.sleep(2.0)  # queued for a while: the client must keep waiting, not fail
+            hogs[0].release()
+            events.append("freed")
+        except Exception as exc:  # noqa: BLE001 - reported by the assertions below
+            events.append(f"error: {exc}")
+
+    def on_step(step, _proc):
+        if step == 5 and not hogs:
+            node_id = lease_node(cluster)
+            job_lease = next(l["id"] for l in cluster.admin.leases() if l["state"] == "active")
+            # fill both other nodes (2 GiB each): 1.75 GiB fits on neither the job's node (1.5 GiB
+            # left) nor next to the other hog
+            for _ in range(2):
+                hogs.append(tenant.request_lease(memory="1792MiB", share=0.5))
+            assert {h.node_id for h in hogs} == set(cluster.nodes) - {node_id}
+            threading.Thread(target=free_a_gpu_once_queued, args=(job_lease,), daemon=True).start()
+            cluster.nodes[node_id].kill(signal.SIGKILL)
+
+    out = str(tmp_path / "w.pt")
+    try:
+        code, stdout, stderr = run_job(cluster, "cnn", steps, out, on_step=on_step)
+    finally:
+        for hog in hogs:
+            try:
+                hog.release()
+            except Exception:  # noqa: BLE001 - released already
+                pass
+        tenant.close()
+    assert code == 0, stderr[-4000:]
+    assert events[:2] == ["queued", "freed"], events
+    assert "waiting for a replacement GPU: 1st in queue" in stderr, stderr[-3000:]
+    assert "resumed on" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    assert_same_weights(torch.load(out), expected)
 
 
 def test_drain_during_training_moves_the_session_and_changes_nothing(cluster, reference, tmp_path):
