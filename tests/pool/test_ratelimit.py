@@ -81,6 +81,28 @@ def test_a_tenant_key_past_its_burst_gets_429_with_retry_after(limited_pool):
         time.sleep(0.25)  # 4 requests/s < 5/s
 
 
+def test_the_pool_client_waits_as_a_429_says_then_gets_its_answer(limited_pool):
+    """gpuwire's own client (the launcher, `gpuwire` commands) honours Retry-After instead of
+    failing a job on a burst; with no time to wait it raises the pool's message."""
+    from gpuwire.pool.client import PoolClient, PoolError
+
+    key = tenant_key(limited_pool)
+    patient = PoolClient(limited_pool.url, key)
+    impatient = PoolClient(limited_pool.url, key, max_rate_wait=0)
+    try:
+        started = time.monotonic()
+        for _ in range(25):  # the burst of 10, then 15 more at 5/s
+            assert isinstance(patient.leases(), list)
+        assert time.monotonic() - started >= 15 / 5 * 0.8  # it waited, as told, rather than failing
+        until_refused(limited_pool, key)
+        with pytest.raises(PoolError, match="retry after") as refused:
+            impatient.leases()
+        assert refused.value.status == 429
+    finally:
+        patient.close()
+        impatient.close()
+
+
 def test_failed_authentications_are_limited_per_address(limited_pool):
     key = tenant_key(limited_pool)
     assert get(limited_pool, key).status_code == 200  # a key that authenticated before

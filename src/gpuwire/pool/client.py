@@ -40,6 +40,17 @@ class PoolUnreachable(PoolError):
     pass
 
 
+def _retry_after(response, body) -> float | None:
+    """Seconds a 429 asks to wait: the JSON body's exact figure, else the Retry-After header."""
+    exact = body.get("retry_after") if isinstance(body, dict) else None
+    if type(exact) in (int, float) and 0 <= exact < 3600:
+        return float(exact)
+    try:
+        return max(0.0, float(response.headers.get("Retry-After", "")))
+    except ValueError:
+        return None
+
+
 def normalize_url(url: str) -> str:
     url = url.strip().rstrip("/")
     if "://" not in url:
@@ -48,13 +59,17 @@ def normalize_url(url: str) -> str:
 
 
 class PoolClient:
-    def __init__(self, url: str | None = None, api_key: str | None = None, *, timeout: float = 10.0):
+    def __init__(self, url: str | None = None, api_key: str | None = None, *, timeout: float = 10.0,
+                 max_rate_wait: float = 30.0):
         url = url or os.environ.get("GPUWIRE_POOL")
         if not url:
             raise PoolError("no pool given: pass --pool URL or set GPUWIRE_POOL (e.g. http://pool-host:7000)")
         self.url = normalize_url(url)
         self.api_key = api_key if api_key is not None else os.environ.get("GPUWIRE_API_KEY")
         self.timeout = timeout
+        # a request refused with 429 was not processed: wait as the pool says and send it again,
+        # up to this many seconds per call, then raise the pool's message
+        self.max_rate_wait = max_rate_wait
         headers = {"User-Agent": "gpuwire-pool-client"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
@@ -66,7 +81,7 @@ class PoolClient:
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, verify=verify)
 
     def clone(self) -> "PoolClient":
-        return PoolClient(self.url, self.api_key, timeout=self.timeout)
+        return PoolClient(self.url, self.api_key, timeout=self.timeout, max_rate_wait=self.max_rate_wait)
 
     def close(self) -> None:
         self._http.close()
@@ -80,14 +95,24 @@ class PoolClient:
     # ------------------------------------------------------------ plumbing
 
     def call(self, method: str, path: str, *, json: Any = None, params: dict | None = None) -> tuple[int, dict]:
-        try:
-            response = self._http.request(method, path, json=json, params=params)
-        except httpx.TransportError as exc:
-            raise PoolUnreachable(f"cannot reach the pool at {self.url}: {exc or type(exc).__name__}") from None
-        try:
-            body = response.json()
-        except ValueError:
-            body = {"message": response.text[:500]}
+        waited = 0.0
+        while True:
+            try:
+                response = self._http.request(method, path, json=json, params=params)
+            except httpx.TransportError as exc:
+                raise PoolUnreachable(f"cannot reach the pool at {self.url}: {exc or type(exc).__name__}") from None
+            try:
+                body = response.json()
+            except ValueError:
+                body = {"message": response.text[:500]}
+            if response.status_code != 429:
+                break
+            pause = _retry_after(response, body)
+            if pause is None or waited + pause > self.max_rate_wait:
+                break
+            log.info("pool rate limit: %s %s waits %.2f s as told", method, path, pause)
+            time.sleep(pause)
+            waited += pause
         if response.status_code >= 400:
             message = body.get("message") if isinstance(body, dict) else None
             raise PoolError(message or f"the pool answered HTTP {response.status_code}", status=response.status_code,
