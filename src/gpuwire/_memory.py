@@ -89,6 +89,7 @@ class StorageCache:
         self._free: collections.OrderedDict = collections.OrderedDict()  # token -> (nbytes, storage, since)
         self._by_size: dict[int, list] = {}
         self._tokens = iter(range(1 << 62))
+        self._timer: threading.Timer | None = None  # returns what outlived max_age on an idle node
 
     def allocate(self, nbytes: int) -> torch.UntypedStorage:
         """A CPU storage of exactly ``nbytes``: a cached one, else a fresh one (huge pages when large).
@@ -123,6 +124,19 @@ class StorageCache:
             while self.bytes_held > self.max_bytes:
                 self._drop_oldest()
             self._expire(now)
+            self._arm()
+
+    def _arm(self) -> None:
+        if self._timer is None and self._free:
+            self._timer = threading.Timer(self.max_age + 1.0, self._tick)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _tick(self) -> None:
+        with self._lock:
+            self._timer = None
+            self._expire(time.monotonic())
+            self._arm()
 
     def clear(self) -> None:
         with self._lock:

@@ -443,6 +443,8 @@ class NodeServer:
         frame_timeout = self.frame_timeout
         timeout_now = sock.gettimeout()
         recent = session.recent_replies
+        # set before this loop and by no one while it runs (a take-over waits for it to end)
+        replay_floor = session.replay_floor
         starved = True
         last_event = time.monotonic()
         while True:
@@ -475,7 +477,7 @@ class NodeServer:
                     handled = True
                     cls = type(event)
                     seq = event.seq
-                    if seq <= session.replay_floor and seq and cls is not Read:
+                    if seq <= replay_floor and seq and cls is not Read:
                         continue  # resent after a reconnect, but this node already ran it
                     reply = handle(event)
                     if seq > session.applied_seq:

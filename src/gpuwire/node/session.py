@@ -18,6 +18,7 @@ import warnings
 import msgpack
 import torch
 
+from .._memory import StorageCache
 from ..protocol import codec
 from ..protocol.events import (
     Alloc,
@@ -50,6 +51,11 @@ MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_l
 LAYOUTS = tuple(getattr(torch, name, None) for name in codec.LAYOUT_NAMES)
 NODE_ID_BASE = 1 << 60  # node-chosen storage ids live above every client-chosen one
 VIEW_CACHE_MAX = 4096  # cached descriptor views per session
+# freed CPU-backend blocks of 1 MiB and more, kept for reuse by the next allocation of the same
+# size (what a CUDA device's caching allocator does); shared by the node's sessions, which see
+# only zeroed or fully overwritten memory either way (``allocate``). _memory.py says why.
+HOST_STORAGES = StorageCache(max_bytes=1 << 30, min_bytes=1 << 20)
+_CACHED_FROM = HOST_STORAGES.min_bytes
 # in-place ops that write every element of ``self`` and read none: a fresh storage they fill
 # need not be zeroed first
 OVERWRITES_SELF = frozenset({
@@ -59,6 +65,12 @@ OVERWRITES_SELF = frozenset({
     "aten::log_normal_",
 })
 MAX_INLINE_BYTES = 1 << 20
+
+_EXT_TENSOR = codec.EXT_TENSOR
+_get_ident = threading.get_ident
+_unpack_tensor_ref_fields = codec.unpack_tensor_ref_fields
+# the bytes of a tensor descriptor as a client encodes it (``client.wire``): see ``_adopt``
+_pack_descriptor = msgpack.Packer(use_bin_type=True, autoreset=True).pack
 
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
@@ -148,22 +160,23 @@ class Session:
         self._device_index = -1 if self.device.type == "cpu" else (self.device.index or 0)
         self._overwriting = None  # storage id an op is filling in place of zeroing it
         self._thread = None  # the thread that last ran this session's commands
+        self._op_entries: dict = {}  # op name -> (resolved op, what to call, guard kind)
 
     # ------------------------------------------------------------ decoding hooks
 
     def ext_hook(self, code: int, data: bytes):
         """msgpack ext hook: wire values straight into node objects, checked."""
-        if code == codec.EXT_TENSOR:
-            # the same descriptor (a parameter, an optimizer state, a live activation) arrives
-            # again and again: reuse its view while the storage and the view's metadata are
-            # unchanged (a kernel may resize an out= argument in place)
+        if code == _EXT_TENSOR:
+            # the same descriptor (a parameter, an optimizer state, a live activation, an op's
+            # result: see ``_adopt``) arrives again and again: reuse its view while the storage
+            # and the view's metadata are unchanged (a kernel may resize an out= argument in place)
             hit = self._views.get(data)
             if hit is not None:
                 storage_id, storage, t, sizes, strides, offset = hit
                 if (self.storages.get(storage_id) is storage and t.shape == sizes and t.stride() == strides
                         and t.storage_offset() == offset):
                     return t
-            fields = codec.unpack_tensor_ref_fields(data)
+            fields = _unpack_tensor_ref_fields(data)
             try:
                 t = self.view(*fields)
             except SessionError as exc:
@@ -173,12 +186,18 @@ class Session:
                     self.decode_error = exc
                 return None
             storage_id = fields[0]
-            if len(self._views) >= VIEW_CACHE_MAX:
-                self._views.clear()
+            views = self._views
+            if len(views) >= VIEW_CACHE_MAX:
+                views.clear()
                 self._view_keys.clear()
+                hit = None
             if hit is None:
-                self._view_keys.setdefault(storage_id, []).append(data)
-            self._views[data] = (storage_id, self.storages[storage_id], t, fields[2], fields[3], fields[1])
+                keys = self._view_keys.get(storage_id)
+                if keys is None:
+                    self._view_keys[storage_id] = [data]
+                else:
+                    keys.append(data)
+            views[data] = (storage_id, self.storages[storage_id], t, fields[2], fields[3], fields[1])
             return t
         if code == codec.EXT_DTYPE:
             if len(data) != 1:
@@ -293,9 +312,15 @@ class Session:
     def _release(self, storage_id: int) -> None:
         storage = self.storages.pop(storage_id, None)
         if storage is not None:
-            self.bytes_in_use -= storage.nbytes()
-            if storage.nbytes():
+            nbytes = storage.nbytes()
+            self.bytes_in_use -= nbytes
+            if nbytes:
                 self._live_ptrs.discard(storage.data_ptr())
+                if nbytes >= _CACHED_FROM and storage.device.type == "cpu":
+                    # views of it hold references: drop them, so the block can be reused
+                    for data in self._view_keys.pop(storage_id, ()):
+                        self._views.pop(data, None)
+                    HOST_STORAGES.release(storage)
 
     def allocate(self, storage_id: int, nbytes: int, zero: bool = True) -> None:
         if storage_id >= NODE_ID_BASE and not storage_id < self._next_node_id:
@@ -308,7 +333,11 @@ class Session:
         # upload), or an op that writes all of it without reading it (``empty_like(x).bernoulli_``,
         # ``clone``'s ``copy_``, ``zeros``' ``fill_``), leave nothing to zero; any other command,
         # or a failure of that op, zeroes it first (``_settle_unzeroed``, ``handle``).
-        self._store(storage_id, torch.empty(nbytes, dtype=torch.uint8, device=self.device).untyped_storage())
+        if self.device.type == "cpu":
+            storage = HOST_STORAGES.allocate(nbytes)  # a recently freed block of that size, or a fresh one
+        else:
+            storage = torch.empty(nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
+        self._store(storage_id, storage)
         self._unzeroed = [storage_id, 0, nbytes]
 
     def _settle_unzeroed(self) -> None:
@@ -359,9 +388,9 @@ class Session:
         """Run one event; return the reply event or None. Never raises for a client's mistake."""
         seq = getattr(event, "seq", 0)
         cls = type(event)
-        if self._thread != threading.get_ident():
+        if self._thread != _get_ident():
             _apply_thread_count()
-            self._thread = threading.get_ident()
+            self._thread = _get_ident()
         try:
             if self.decode_error is not None:
                 exc, self.decode_error = self.decode_error, None
@@ -447,7 +476,7 @@ class Session:
             return self.memory_budget - self.bytes_in_use
         return self._device_memory() - self.bytes_in_use
 
-    def _guard_allocation(self, event: Op | CallSync, fn) -> None:
+    def _guard_allocation(self, event: Op | CallSync, fn, kind: str | None = None) -> None:
         """Refuse, before running, an op whose results could not fit, so a hostile client
         cannot make the node allocate the machine away: the sizes the client declared, and
         the sizes a run of the op on meta tensors computes from the real arguments' shapes,
@@ -455,20 +484,22 @@ class Session:
         factories). The meta answer is cached per (op, argument signature), so an op seen
         before costs one signature and one dict lookup. An op may not grow an existing
         storage (an out= tensor of the wrong size): that memory would escape the budget."""
-        outs = getattr(event, "outs", None)  # (a CallSync declares nothing)
+        outs = event.outs if type(event) is Op else None  # (a CallSync declares nothing)
         room = None
         if outs:
             declared = 0
             for out in outs:
                 if type(out) is list and len(out) > 1 and type(out[1]) is int:
                     declared += out[1]
-            room = self._room()
+            budget = self.memory_budget  # ``_room``, inline
+            room = (budget if budget is not None else self._device_bytes or self._device_memory()) - self.bytes_in_use
             if declared > room:
                 raise _no_room(event.name, declared, room)
         name = event.name
-        kind = _OP_KINDS.get(name)
         if kind is None:
-            kind = _OP_KINDS[name] = _op_kind(name, fn)
+            kind = _OP_KINDS.get(name)
+            if kind is None:
+                kind = _OP_KINDS[name] = _op_kind(name, fn)
         args, kwargs = event.args, event.kwargs
         if kind is _IN_PLACE:  # writes only into its first argument, whose size it cannot change
             first = args[0] if args else None
@@ -530,17 +561,33 @@ class Session:
         return self._device_bytes
 
     def _run_op(self, event: Op) -> None:
-        fn = self.ops.resolve(event.name)
-        self._guard_allocation(event, fn)
-        with self.rng.lock:
-            self.rng.acquire(self)
-            result = fn(*event.args, **event.kwargs)
+        name = event.name
+        entry = self._op_entries.get(name)
+        if entry is None:
+            fn = self.ops.resolve(name)  # (a refused name raises here every time: never cached)
+            kind = _OP_KINDS.get(name)
+            if kind is None:
+                kind = _OP_KINDS[name] = _op_kind(name, fn)
+            entry = self._op_entries[name] = (fn, _direct(fn), kind)
+        fn, call, kind = entry
+        args, kwargs, outs = event.args, event.kwargs, event.outs
+        self._guard_allocation(event, fn, kind)
+        rng = self.rng
+        with rng.lock:
+            if rng.owner is not self:
+                rng.acquire(self)
+            result = call(*args, **kwargs)
         self.ops_run += 1
-        if event.outs:
-            tensors = [result] if type(result) is torch.Tensor else tensor_leaves(result)
-            if len(tensors) != len(event.outs):
-                raise SessionError(f"{event.name} returned {len(tensors)} tensors, the client expected {len(event.outs)}")
-            for tensor, out in zip(tensors, event.outs):
+        if outs:
+            if type(result) is _TENSOR:
+                if len(outs) != 1:
+                    raise SessionError(f"{name} returned 1 tensors, the client expected {len(outs)}")
+                self._adopt(result, outs[0])
+                return
+            tensors = tensor_leaves(result)
+            if len(tensors) != len(outs):
+                raise SessionError(f"{name} returned {len(tensors)} tensors, the client expected {len(outs)}")
+            for tensor, out in zip(tensors, outs):
                 self._adopt(tensor, out)
 
     def _adopt(self, tensor, out) -> None:
@@ -553,10 +600,11 @@ class Session:
         storage = tensor.untyped_storage()
         sizes, strides = tuple(sizes), tuple(strides)
         have = storage.nbytes()
+        ptr = storage.data_ptr() if have else 0
         if (tensor.dtype is not dtype or tensor.storage_offset() != 0 or tensor.shape != sizes
                 or (tensor.stride() != strides and tensor.numel() > 1) or tensor.get_device() != self._device_index
                 or tensor.is_conj() or tensor.is_neg()
-                or have < nbytes or (have and storage.data_ptr() in self._live_ptrs)):
+                or have < nbytes or (have and ptr in self._live_ptrs)):
             if tensor.shape != sizes:
                 # copy_ would broadcast (silently wrong) or fail with a baffling message
                 raise SessionError(
@@ -565,8 +613,39 @@ class Session:
                     f"with the {self.device.type} kernel for these arguments")
             fixed = torch.empty_strided(sizes, strides, dtype=dtype, device=self.device)
             fixed.copy_(tensor)
+            tensor = fixed
             storage = fixed.untyped_storage()
-        self._store(storage_id, storage)
+            have = storage.nbytes()
+            ptr = storage.data_ptr() if have else 0
+        # ``_store``, inline (one per op result)
+        storages = self.storages
+        if storage_id in storages:
+            self._release(storage_id)
+        budget = self.memory_budget
+        if budget is not None and self.bytes_in_use + have > budget:
+            self.check_budget(have)
+        storages[storage_id] = storage
+        self.bytes_in_use += have
+        if self.bytes_in_use > self.peak_bytes:
+            self.peak_bytes = self.bytes_in_use
+        if have:
+            self._live_ptrs.add(ptr)
+        # the client names this result next by the descriptor of exactly this layout: cache the
+        # result as that descriptor's view, so it need not be decoded and rebuilt (a different
+        # encoding only misses; ``ext_hook`` checks storage and metadata on every hit)
+        if not tensor.requires_grad:
+            data = _pack_descriptor((storage_id, 0, sizes, strides, dtype_code, 0))
+            views = self._views
+            if len(views) >= VIEW_CACHE_MAX:
+                views.clear()
+                self._view_keys.clear()
+            if data not in views:
+                keys = self._view_keys.get(storage_id)
+                if keys is None:
+                    self._view_keys[storage_id] = [data]
+                else:
+                    keys.append(data)
+            views[data] = (storage_id, storage, tensor, sizes, strides, 0)
 
     def _fill_outs(self, event: Op) -> None:
         """A failed op's outputs still exist (zeroed), so later ops fail for their own reasons
@@ -777,6 +856,26 @@ _META_COSTS: dict = {}  # signature -> _meta_cost(...) (fresh bytes, growth, res
 _META_COSTS_MAX = 1 << 14  # entries; the cache is cleared when full (a client cannot grow it without bound)
 _NO_ALLOCATION_OPS = ("gpuwire::generator_manual_seed", "gpuwire::generator_get_state",
                       "gpuwire::generator_set_state")
+
+
+_OpOverload = torch._ops.OpOverload
+_overload_call = _OpOverload.__call__
+
+
+def _direct(fn):
+    """What to call for ``fn``: an aten overload's C++ callable itself when its Python
+    ``__call__`` only forwards to it (one Python frame less per op), else ``fn``."""
+    if type(fn) is _OpOverload and _FORWARDS:
+        return fn._op
+    return fn
+
+
+def _forwarding_call(self, /, *args, **kwargs):
+    return self._op(*args, **kwargs)
+
+
+_FORWARDS = all(getattr(_overload_call.__code__, a) == getattr(_forwarding_call.__code__, a)
+                for a in ("co_code", "co_names", "co_consts", "co_varnames", "co_argcount", "co_posonlyargcount"))
 
 
 def _op_kind(name: str, fn) -> str:

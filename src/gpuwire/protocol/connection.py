@@ -44,6 +44,8 @@ from .events import (
 
 PREFIX = struct.Struct("!IQ")
 _PREFIX_PACK = PREFIX.pack
+_PREFIX_UNPACK_FROM = PREFIX.unpack_from
+_PREFIX_SIZE = PREFIX.size
 LARGE_PAYLOAD = 64 << 10  # payloads at least this large bypass the frame buffer
 _DEFINE_OP = 10  # internal frame: [10, op_index, name]
 _OP = Op.code
@@ -75,6 +77,8 @@ class _Sentinel:
     def __repr__(self) -> str:
         return self.name
 
+
+_OPEN = State.OPEN
 
 NEED_DATA = _Sentinel("NEED_DATA")
 CLOSED = _Sentinel("CLOSED")
@@ -114,6 +118,7 @@ class Connection:
     def __init__(self, role: Role, *, limits: Limits | None = None, default=None, ext_hook=None, payload_sink=None):
         self.role = role
         self.limits = limits or Limits()
+        self._max_header = self.limits.max_header_bytes
         self.state = State.HANDSHAKE
         self._packer = msgpack.Packer(default=default or codec.default, use_bin_type=True, autoreset=True)
         self._ext_hook = ext_hook or codec.ext_hook
@@ -124,6 +129,7 @@ class Connection:
         self._op_names: list[str] = []  # the peer's interned names
         self._outgoing = CLIENT_EVENTS if role is Role.CLIENT else SERVER_EVENTS
         self._incoming = SERVER_EVENTS if role is Role.CLIENT else CLIENT_EVENTS
+        self._receives_ops = Op in self._incoming
         self.peer_hello: Hello | None = None
         self.peer_welcome: Welcome | None = None
         # large payloads are received straight into their own buffer (or one the application
@@ -284,9 +290,42 @@ class Connection:
 
     def next_event(self):
         while True:
+            # the common frame, inline: complete in the buffer, no payload, no compaction due;
+            # anything else (and every limit violation) takes ``_next_frame``
+            buf = self._buffer
+            start = self._pos
+            if self._pending is None and len(buf) - start >= _PREFIX_SIZE:
+                header_len, payload_len = _PREFIX_UNPACK_FROM(buf, start)
+                end = start + _PREFIX_SIZE + header_len
+                if (not payload_len and 0 < header_len <= self._max_header and end <= len(buf)
+                        and not (end > (1 << 20) and end * 2 > len(buf))):
+                    raw_header = buf[start + _PREFIX_SIZE:end]
+                    self._pos = end  # consumed before decoding: a bad frame is never seen twice
+                    header = self._decode_header(raw_header)
+                    if header[0] == _OP and self.state is _OPEN and self._receives_ops:
+                        event = self._fast_op(header)
+                        if event is not None:
+                            return event
+                    event = self._to_event(header, b"", 0)
+                    if event is not _DEFINE:
+                        return event
+                    continue
             event = self._next_frame()
             if event is not _DEFINE:
                 return event
+
+    def _fast_op(self, header: list):
+        """The event of a well-formed ``Op`` frame on an open server connection, built with
+        the same checks as ``_to_event`` (field count, op index, field types) but inline: it
+        is most of what a node receives. None for anything else, which then takes the generic
+        path and fails there with its usual message."""
+        if len(header) == 6:
+            _, seq, index, args, kwargs, outs = header
+            names = self._op_names
+            if (type(index) is int and 0 <= index < len(names) and type(seq) is int and seq >= 0
+                    and type(args) is list and type(kwargs) is dict and type(outs) is list):
+                return Op(seq, names[index], args, kwargs, outs)
+        return None
 
     def _next_frame(self):
         if self._pending is not None:
@@ -307,7 +346,7 @@ class Connection:
             return self._begin_payload(bytes(buf[start + PREFIX.size:header_end]), header_end, payload_len)
         if len(buf) < end:
             return self._starved(available)
-        raw_header = bytes(buf[start + PREFIX.size:header_end])
+        raw_header = buf[start + PREFIX.size:header_end]  # a copy: the buffer may move below
         payload = bytes(buf[header_end:end]) if payload_len else b""
         # consume the frame before decoding it: a frame that fails to decode is never seen twice
         self._pos = end
@@ -393,20 +432,26 @@ class Connection:
         if bool(payload_len) and not cls.has_payload:
             raise ProtocolError(f"{cls.__name__} frames carry no payload")
         fields = header[1:]
-        names = wire_fields(cls)
-        if len(fields) != len(names):
-            raise ProtocolError(f"{cls.__name__} frame has {len(fields)} fields, expected {len(names)}")
+        checks = _field_checks(cls)
+        if len(fields) != len(checks):
+            raise ProtocolError(f"{cls.__name__} frame has {len(fields)} fields, expected {len(checks)}")
         if cls is Op or cls is CallSync:
             index = fields[1]
             if type(index) is not int or not 0 <= index < len(self._op_names):
                 raise ProtocolError(f"{cls.__name__} names undefined op index {index!r}")
             fields[1] = self._op_names[index]
+        # the wire values are the event's fields, in order: checked before the event is built
+        for value, (name, accepted) in zip(fields, checks):
+            if accepted is not None and type(value) not in accepted:
+                raise ProtocolError(f"{cls.__name__}.{name} has type {type(value).__name__}")
+            if accepted is _INT and value < 0:
+                raise ProtocolError(f"{cls.__name__}.{name} is negative")
         try:
             event = cls(*fields, payload) if cls.has_payload else cls(*fields)
         except TypeError as exc:
             raise ProtocolError(f"malformed {cls.__name__}: {exc}") from None
-        _check_field_types(event)
-        self._after_receive(event)
+        if self.state is not _OPEN or cls is Goodbye or cls is Reject:  # (nothing else changes an open one)
+            self._after_receive(event)
         return event
 
     def _define_op(self, header: list) -> None:
@@ -464,13 +509,13 @@ _FIELD_TYPES = {
 }
 
 
-def _check_field_types(event: Event) -> None:
-    for name in wire_fields(type(event)):
-        accepted = _FIELD_TYPES.get(name)
-        if accepted is None:
-            continue
-        value = getattr(event, name)
-        if type(value) not in accepted:
-            raise ProtocolError(f"{type(event).__name__}.{name} has type {type(value).__name__}")
-        if accepted is _INT and value < 0:
-            raise ProtocolError(f"{type(event).__name__}.{name} is negative")
+def _field_checks(cls) -> tuple:
+    """((field name, accepted types or None), ...) of ``cls``'s wire fields, built once."""
+    checks = _FIELD_CHECKS.get(cls)
+    if checks is None:
+        checks = _FIELD_CHECKS[cls] = tuple((name, _FIELD_TYPES.get(name)) for name in wire_fields(cls))
+    return checks
+
+
+_FIELD_CHECKS: dict = {}
+

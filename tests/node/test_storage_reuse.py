@@ -1,0 +1,49 @@
+"""Freed device blocks are reused (CPU backend, ``HOST_STORAGES``) but never show what an
+earlier session left in them: a new storage reads as zeros unless the client overwrote it."""
+
+import pytest
+
+from gpuwire.client.runtime import Runtime
+from gpuwire.protocol.events import Free
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def node():
+    from tests.conftest import NodeProcess
+    proc = NodeProcess()
+    yield proc
+    proc.kill()
+
+
+def _leave_secret(rt: Runtime, nbytes: int) -> None:
+    storage = rt.allocate(nbytes)
+    rt.mark_overwrite(storage)
+    rt.write(storage, 0, memoryview(b"\xab" * nbytes))
+    rt.synchronize()
+    rt.enqueue(rt.conn.send(Free(seq=rt.next_seq(), storage_ids=[storage])))
+    rt.synchronize()
+
+
+def test_a_reused_block_never_shows_another_sessions_bytes(node):
+    owner, other = Runtime(node.address), Runtime(node.address)
+    try:
+        for nbytes in (4 * MiB, 3 * MiB + 4096):
+            _leave_secret(owner, nbytes)
+            fresh = other.allocate(nbytes)  # zeroed allocation of the size just freed
+            assert bytes(other.read(fresh, 0, nbytes)) == bytes(nbytes)
+
+            _leave_secret(owner, nbytes)
+            half = other.allocate(nbytes)
+            other.mark_overwrite(half)  # the client says it will write all of it, then writes half
+            other.write(half, 0, memoryview(b"\x01" * (nbytes // 2)))
+            got = bytes(other.read(half, 0, nbytes))
+            assert got[:nbytes // 2] == b"\x01" * (nbytes // 2) and got[nbytes // 2:] == bytes(nbytes - nbytes // 2)
+
+            _leave_secret(owner, nbytes)  # the same session gets no old bytes either
+            again = owner.allocate(nbytes)
+            assert bytes(owner.read(again, 0, nbytes)) == bytes(nbytes)
+    finally:
+        owner.close()
+        other.close()
