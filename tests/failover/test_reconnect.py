@@ -94,3 +94,49 @@ def test_a_killed_client_frees_its_parked_session_after_the_grace(node_and_proxy
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+UPLOAD_THEN_WAIT = """
+import sys, torch, gpuwire
+gpuwire.attach(sys.argv[1])
+x = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB: logged by reference, not copied
+y = x.to("gpuwire")
+print(y[-1].item(), flush=True)
+if sys.argv[2] == "change":
+    x.add_(1)  # the program writes to the source after the upload
+print(gpuwire.stats()["recovery_log_bytes"], flush=True)
+sys.stdin.readline()  # the node is killed and restarted here
+print(y.sum().item(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("change", [False, True])
+def test_an_upload_is_replayed_from_the_programs_buffer_unless_it_changed(tmp_path, change):
+    """A rebuild replays every upload since the last checkpoint. Large uploads are logged by
+    reference to the program's tensor, not copied: replayed as they were when it is unchanged;
+    refused with a message saying why when the program wrote to it in place since."""
+    node = NodeProcess()
+    port = node.port
+    proc = subprocess.Popen([sys.executable, "-c", UPLOAD_THEN_WAIT, node.address, "change" if change else "keep"],
+                            env={**os.environ, "GPUWIRE_DURABILITY": "checkpoint", "GPUWIRE_CHECKPOINT_INTERVAL": "3600",
+                                 "GPUWIRE_RECONNECT_GRACE": "20"},
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert float(proc.stdout.readline()) == float((1 << 20) - 1)
+        assert int(proc.stdout.readline()) >= 4 << 20  # the log accounts for the borrowed bytes
+        node.kill()
+        node = NodeProcess("--port", str(port))  # the same address: the client rebuilds there
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        out, err = proc.communicate(timeout=120)
+        if change:
+            assert proc.returncode != 0
+            assert "ConnectionLost" in err and "changed its source tensor in place" in err, err[-2000:]
+        else:
+            assert proc.returncode == 0, err[-3000:]
+            assert float(out.strip()) == float(torch.arange(1 << 20, dtype=torch.float32).sum())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        node.kill()

@@ -29,6 +29,7 @@ from itertools import chain
 import torch
 from torch._C import DispatchKey, DispatchKeySet
 
+from .._memory import advise_huge_pages
 from . import wire
 from .errors import ConnectionLost
 from .runtime import Runtime
@@ -157,12 +158,22 @@ _create_empty = torch._C._acc.create_empty_tensor
 _storage_at = torch._C._construct_storage_from_data_pointer
 
 
+# ``create_empty_tensor`` gives a contiguous tensor on an empty storage of its own; for a
+# contiguous result, moving the remote address into that storage (``_swap_data_ptr_``, which
+# moves the size with it) is a third of the cost of ``set_`` through the dispatcher
+_swap_data_ptr = getattr(torch.UntypedStorage, "_swap_data_ptr_", None)
+
+
 def wrap_storage(rt: Runtime, storage_id: int, nbytes: int, sizes, strides, dtype, offset: int = 0) -> torch.Tensor:
     """A client tensor on the remote storage ``storage_id`` (tracked for freeing)."""
     t = _create_empty(sizes, dtype)
-    storage = _storage_at(storage_id, DEVICE, nbytes)
-    _set_storage(t, storage, offset, sizes, strides)
-    rt.track(storage_id, storage)
+    if offset == 0 and _swap_data_ptr is not None and t.stride() == strides:
+        storage = t.untyped_storage()
+        _swap_data_ptr(storage, _storage_at(storage_id, DEVICE, nbytes))
+    else:
+        storage = _storage_at(storage_id, DEVICE, nbytes)
+        _set_storage(t, storage, offset, sizes, strides)
+    rt.track(storage_id, storage, nbytes)
     return t
 
 
@@ -180,17 +191,19 @@ def storage_id_of(t: torch.Tensor) -> int:
 
 
 def _fallback(op, *args, **kwargs):
-    plan = _PLANS.get(op)
+    # keyed by the overload's C function object (one per OpOverload, kept alive by it): its
+    # hash is computed in C, OpOverload.__hash__ is a Python method
+    plan = _PLANS.get(op._op)
     if plan is None:
-        plan = _PLANS[op] = _make_plan(op)
+        plan = _PLANS[op._op] = _make_plan(op)
     return plan(op, args, kwargs)
 
 
 def _traced_fallback(op, *args, **kwargs):
     """GPUWIRE_TRACE=1: print each op reaching the device, its path and result shapes."""
-    plan = _PLANS.get(op)
+    plan = _PLANS.get(op._op)
     if plan is None:
-        plan = _PLANS[op] = _make_plan(op)
+        plan = _PLANS[op._op] = _make_plan(op)
     result = plan(op, args, kwargs)
     kind = getattr(plan, "__name__", type(plan).__name__)
     _debug(f"{op} [{kind}]", [_shape(a) for a in args], {k: _shape(v) for k, v in kwargs.items()}, "->", _shape(result))
@@ -530,8 +543,8 @@ def _signature(values):
             out.append((v.dtype, v.shape, v.stride(), v.is_cpu, v.is_conj() or v.is_neg()))
         elif isinstance(v, (list, tuple)):
             out.append(_signature(v))
-        elif isinstance(v, torch.Generator):
-            out.append(torch.Generator)  # a fresh wrapper per call: its identity means nothing
+        elif isinstance(v, _Generator):
+            out.append(_Generator)  # a fresh wrapper per call: its identity means nothing
         else:
             out.append((v.__class__, v))
     return tuple(out)
@@ -541,6 +554,9 @@ def _signature(values):
 
 
 _Tensor = torch.Tensor
+# the C class, not ``torch.Generator``: gpuwire's shim replaces that with a class whose
+# metaclass answers isinstance in Python (same answer, ten times the cost)
+_Generator = torch._C.Generator
 _CACHE_MAX = 4096  # signatures cached per op; past it the cache starts over
 _NOTHING = frozenset()
 
@@ -581,8 +597,8 @@ def _call_key(args, kwargs, by_class, by_kind) -> tuple:
             append((v.__class__, tuple(v) if v.__class__ is list else v))
         elif v.__class__ is list or v.__class__ is tuple:
             append(_signature(v))
-        elif isinstance(v, torch.Generator):
-            append(torch.Generator)  # a fresh wrapper per call: its identity means nothing
+        elif isinstance(v, _Generator):
+            append(_Generator)  # a fresh wrapper per call: its identity means nothing
         else:
             append(v)
     return tuple(key)
@@ -698,10 +714,7 @@ class DirectPlan:
             ((sizes, strides, dtype, code, nbytes),) = specs
             with rt.lock:
                 storage_id = rt.reserve(nbytes)
-                t = _create_empty(sizes, dtype)
-                storage = _storage_at(storage_id, DEVICE, nbytes)
-                _set_storage(t, storage, 0, sizes, strides)
-                rt.track(storage_id, storage)
+                t = wrap_storage(rt, storage_id, nbytes, sizes, strides, dtype)
                 rt.submit(rt.conn.encode_op(rt.next_seq(), self.name, args, kwargs,
                                             ((storage_id, nbytes, sizes, strides, code),)))
             return t
@@ -855,7 +868,7 @@ def _to_meta(value):
         return type(value)(_to_meta(v) for v in value) if not isinstance(value, torch.Size) else value
     if isinstance(value, torch.device):
         return torch.device("meta")
-    if isinstance(value, torch.Generator):
+    if isinstance(value, _Generator):
         return None
     return value
 
@@ -889,7 +902,7 @@ def _to_fake_cpu(value, mode):
         return type(value)(_to_fake_cpu(v, mode) for v in value) if not isinstance(value, torch.Size) else value
     if isinstance(value, torch.device):
         return _CPU if value.type == DEVICE_TYPE else value
-    if isinstance(value, torch.Generator):
+    if isinstance(value, _Generator):
         return None
     return value
 
@@ -998,11 +1011,24 @@ def _plain(t: torch.Tensor) -> bool:
     return t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
-def _host_bytes(t: torch.Tensor) -> memoryview:
-    c = t.detach().resolve_conj().resolve_neg().contiguous()
+def _host_bytes(src: torch.Tensor):
+    """The bytes an upload of ``src`` sends, and ``unchanged()``: whether the program has not
+    written to them since. A private copy (a non-contiguous or conjugated source) never
+    changes; the program's own tensor has changed when its version counter has (every in-place
+    op on it or on a view of it bumps that). The recovery log keeps the bytes by reference while
+    they are unchanged, instead of a copy."""
+    c = src.detach().resolve_conj().resolve_neg().contiguous()
     if c.numel() == 0:
-        return memoryview(b"")
-    return memoryview(c.reshape(-1).view(torch.uint8).numpy())
+        return memoryview(b""), _always
+    data = memoryview(c.reshape(-1).view(torch.uint8).numpy())
+    if c.data_ptr() != src.data_ptr():
+        return data, _always
+    version = src._version
+    return data, lambda: src._version == version
+
+
+def _always() -> bool:
+    return True
 
 
 def upload(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
@@ -1010,14 +1036,15 @@ def upload(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     rt = runtime()
     with rt.lock:
         if src.dtype == dst.dtype and src.shape == dst.shape and _plain(dst):
-            data = _host_bytes(src)
+            data, unchanged = _host_bytes(src)
             storage_id = storage_id_of(dst)
             if dst.storage_offset() == 0 and data.nbytes == dst.untyped_storage().nbytes():
                 rt.mark_overwrite(storage_id)
-            rt.write(storage_id, dst.storage_offset() * dst.element_size(), data)
+            rt.write(storage_id, dst.storage_offset() * dst.element_size(), data, unchanged)
             return dst
         staging = new_empty(rt, tuple(src.shape), _contiguous_strides(tuple(src.shape)), src.dtype)
-        rt.write(storage_id_of(staging), 0, _host_bytes(src))
+        data, unchanged = _host_bytes(src)
+        rt.write(storage_id_of(staging), 0, data, unchanged)
         rt.submit(rt.conn.encode_op(rt.next_seq(), "aten::copy_", (dst, staging), {}, ()))
     return dst
 
@@ -1027,7 +1054,11 @@ def download(src: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tenso
     received straight into ``into`` (a contiguous CPU tensor of the same shape and dtype)
     or into a new tensor."""
     rt = runtime()
-    host = into if into is not None else torch.empty(tuple(src.shape), dtype=src.dtype)
+    if into is None:
+        host = torch.empty(tuple(src.shape), dtype=src.dtype)
+        advise_huge_pages(host.data_ptr(), host.numel() * host.element_size())  # before the first touch
+    else:
+        host = into
     with rt.lock:
         if not _plain(src):
             src = aten.clone.default(src, memory_format=torch.contiguous_format)

@@ -96,6 +96,13 @@ class Recovery:
         self._log.append((seq, frame, read))
         self.log_bytes += len(frame)
 
+    def log_borrowed(self, seq: int, parts: list, unchanged) -> None:
+        """Log a large Write without copying its payload: the parts refer to the program's own
+        buffer, replayable while ``unchanged()`` says the program has not written to it since."""
+        entry = Borrowed(parts, unchanged)
+        self._log.append((seq, entry, False))
+        self.log_bytes += entry.nbytes
+
     def replace_last(self, old_frame: bytes, seq: int, frame: bytes) -> None:
         if self._log and self._log[-1][1] is old_frame:
             self.log_bytes += len(frame) - len(old_frame)
@@ -307,6 +314,20 @@ class Recovery:
         return welcome
 
     def _send(self, frames: list) -> None:
+        if any(type(frame) is Borrowed for frame in frames):
+            flat = []
+            for frame in frames:
+                if type(frame) is not Borrowed:
+                    flat.append(frame)
+                elif frame.unchanged():
+                    flat.extend(frame.parts)
+                else:
+                    raise ConnectionLost(
+                        f"a {frame.nbytes / 2**20:.1f} MiB upload cannot be sent again: the program changed its "
+                        "source tensor in place after the upload, before the node confirmed it (the next sync "
+                        "point). Keep an uploaded tensor unchanged until then (or upload a .clone()), or run "
+                        "with GPUWIRE_DURABILITY=none") from None
+            frames = flat
         if frames:
             self.rt.bytes_sent += send_parts(self.rt._sock, frames)
 
@@ -385,6 +406,17 @@ class Recovery:
         finally:
             self._nested = False
             self.notice = None
+
+
+class Borrowed:
+    """A logged frame whose payload is not copied: header bytes + the program's own buffer."""
+
+    __slots__ = ("parts", "unchanged", "nbytes")
+
+    def __init__(self, parts: list, unchanged):
+        self.parts = parts
+        self.unchanged = unchanged
+        self.nbytes = sum(memoryview(part).nbytes for part in parts)
 
 
 class _Refused(Exception):

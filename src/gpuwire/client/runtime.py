@@ -16,10 +16,10 @@ import ssl
 import sys
 import threading
 import time
+from time import perf_counter as _perf_counter
 
 import msgpack
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import __version__
 from .._io import dial, send_parts
@@ -54,11 +54,32 @@ FLUSH_BYTES = 1 << 20
 # after it, so the node starts on a step's first (often largest) kernels while the client is
 # still dispatching the rest
 FLUSH_AGE = 200e-6
+# each flush made for age doubles the wait of the next one, up to this: a flush costs the client
+# 10-40 us (mostly waking the node), and while commands keep streaming the node usually still
+# has work from the batch before; a sync point, after which the node is idle, starts over at
+# FLUSH_AGE (FLUSH_AGE_MAX = FLUSH_AGE: a fixed age)
+FLUSH_AGE_MAX = 800e-6
 CHUNK_BYTES = 16 << 20  # bulk transfers travel in frames of at most this many bytes
 COPY_PAYLOAD_BELOW = 256 << 10  # smaller uploads are copied into the queue; larger ones sent at once
 FIRST_ADDRESS = 1 << 32
 ALIGN = 512
 SCAN_EVERY = 256
+_storage_expired = torch.UntypedStorage._expired
+_free_weak_ref = torch.UntypedStorage._free_weak_ref
+
+
+class StorageRef(int):
+    """A weak reference to a client storage: the handle ``UntypedStorage._weak_ref()`` returns.
+    Unlike ``StorageWeakRef`` it has no ``__del__`` (a Python call for every storage that
+    dies): the runtime releases it (``release``) when it forgets the storage."""
+
+    __slots__ = ()
+
+    def expired(self) -> bool:
+        return _storage_expired(self)
+
+    def release(self) -> None:
+        _free_weak_ref(self)
 
 
 def parse_address(address: str, default_port: int = 7070) -> tuple[str, int]:
@@ -97,8 +118,9 @@ class Runtime:
         self._queue: list = []
         self._queue_bytes = 0
         self._queued_at = 0.0  # perf_counter() when the oldest queued command was queued
+        self._flush_age = FLUSH_AGE  # how long a queued command waits for company now
         self._next_address = FIRST_ADDRESS
-        self._live: dict[int, StorageWeakRef] = {}
+        self._live: dict[int, StorageRef] = {}
         self._live_bytes: dict[int, int] = {}
         self.bytes_in_use = 0
         self.memory_budget: int | None = None
@@ -210,6 +232,9 @@ class Runtime:
                 self._sock.close()
             except OSError:
                 pass
+            live, self._live = self._live, {}
+            for ref in live.values():
+                ref.release()
 
     @property
     def alive(self) -> bool:
@@ -241,19 +266,25 @@ class Runtime:
         """Queue an encoded command (the one just numbered ``self.seq``); flush when the batch
         is large enough."""
         queue = self._queue
-        now = time.perf_counter()
+        now = _perf_counter()
         if not queue:
             self._queued_at = now
         queue.append(frame)
         self._queue_bytes += len(frame)
-        if self.recovery.logging:
-            self.recovery.log(self.seq, frame)
-        if len(queue) >= FLUSH_OPS or self._queue_bytes >= FLUSH_BYTES or now - self._queued_at > FLUSH_AGE:
+        recovery = self.recovery
+        if recovery.logging:
+            recovery.log(self.seq, frame)
+        if len(queue) >= FLUSH_OPS or self._queue_bytes >= FLUSH_BYTES:
             self._flush()
+        elif now - self._queued_at > self._flush_age:
+            self._flush_age = min(2 * self._flush_age, FLUSH_AGE_MAX)
+            self._flush()  # (which starts over at FLUSH_AGE if it is a sync point's)
 
     def _flush(self) -> None:
         if not self._queue:
             return
+        if self._awaiting is not None:  # a sync point
+            self._flush_age = FLUSH_AGE
         self._check_alive()
         parts, self._queue = self._queue, []
         self._queue_bytes = 0
@@ -363,7 +394,8 @@ class Runtime:
     # ------------------------------------------------------------ commands
 
     def submit(self, frame: bytes) -> None:
-        self._check_alive()
+        if self._dead is not None:
+            raise self._dead
         self.ops_sent += 1
         self.enqueue(frame)
         if self.sync_every_op:
@@ -431,10 +463,12 @@ class Runtime:
         self.enqueue(frame)
         return address
 
-    def track(self, storage_id: int, storage) -> None:
-        """Free the remote storage once the last client tensor on it dies (batched)."""
-        self._live[storage_id] = StorageWeakRef(storage)
-        nbytes = storage.nbytes()
+    def track(self, storage_id: int, storage, nbytes: int | None = None) -> None:
+        """Free the remote storage once the last client tensor on it dies (batched).
+        ``nbytes``: the storage's size, when the caller knows it."""
+        self._live[storage_id] = StorageRef(storage._weak_ref())
+        if nbytes is None:
+            nbytes = storage.nbytes()
         self._live_bytes[storage_id] = nbytes
         self.bytes_in_use += nbytes
         self._allocs_since_scan += 1
@@ -443,11 +477,13 @@ class Runtime:
 
     def _collect_garbage(self) -> None:
         self._allocs_since_scan = 0
-        dead = [sid for sid, ref in self._live.items() if ref.expired()]
+        live = self._live
+        dead = [sid for sid, ref in live.items() if _storage_expired(ref)]
         if dead:
+            live_bytes = self._live_bytes
             for sid in dead:
-                del self._live[sid]
-                self.bytes_in_use -= self._live_bytes.pop(sid, 0)
+                _free_weak_ref(live.pop(sid))
+                self.bytes_in_use -= live_bytes.pop(sid, 0)
             if self._dead is None:
                 self.enqueue(self.conn.send(Free(seq=self.next_seq(), storage_ids=dead)))
 
@@ -455,8 +491,10 @@ class Runtime:
     def live_storages(self) -> int:
         return len(self._live)
 
-    def write(self, storage_id: int, byte_offset: int, data: memoryview) -> None:
-        """Host → device bytes (``data`` must stay unchanged until this returns)."""
+    def write(self, storage_id: int, byte_offset: int, data: memoryview, unchanged=None) -> None:
+        """Host → device bytes (``data`` must stay unchanged until this returns). ``unchanged``,
+        when given, tells whether the program has left ``data`` alone since: then the recovery
+        log keeps a reference to it instead of a copy, until the next sync point or checkpoint."""
         with self.lock:
             self._check_alive()
             total = data.nbytes
@@ -470,7 +508,10 @@ class Runtime:
                 parts = self.conn.send_parts(Write(seq=self.next_seq(), storage_id=storage_id,
                                                    byte_offset=byte_offset + start, payload=chunk))
                 if self.recovery.logging:
-                    self.recovery.log(self.seq, b"".join(parts))  # the program may change ``data`` later
+                    if unchanged is not None:
+                        self.recovery.log_borrowed(self.seq, parts, unchanged)
+                    else:
+                        self.recovery.log(self.seq, b"".join(parts))  # the program may change ``data`` later
                 try:
                     self.bytes_sent += send_parts(self._sock, parts)
                 except OSError as exc:

@@ -81,17 +81,29 @@ def inline_ext(t: torch.Tensor) -> msgpack.ExtType:
     return msgpack.ExtType(codec.EXT_INLINE_TENSOR, _pack((DTYPE_CODE[c.dtype], c.shape, data)))
 
 
+# raw dispatch key set bits: one ``raw_repr()`` answers "on our device?", is_conj() and is_neg()
+_RAW_PRIVATE_USE1 = torch._C.DispatchKeySet(_PRIVATE_USE1).raw_repr()
+_RAW_CONJ = torch._C.DispatchKeySet(torch._C.DispatchKey.Conjugate).raw_repr()
+_RAW_NEG = torch._C.DispatchKeySet(torch._C.DispatchKey.Negative).raw_repr()
+_EXT_TENSOR = codec.EXT_TENSOR
+
+
 def encode_default(obj):
     """msgpack ``default`` hook for the client."""
     if isinstance(obj, torch.Tensor):
         if obj.is_cpu:
             return inline_ext(obj)
-        if _dispatch_keys(obj).has(_PRIVATE_USE1):  # tensor_ext, inlined: the hottest path of encoding
+        raw = _dispatch_keys(obj).raw_repr()
+        if raw & _RAW_PRIVATE_USE1 == _RAW_PRIVATE_USE1:  # tensor_ext, inlined: the hottest path of encoding
             offset = obj.storage_offset()
             pointer = obj.data_ptr()
-            return _ext((codec.EXT_TENSOR, _pack((
-                pointer - offset * obj.element_size() if pointer else obj.untyped_storage().data_ptr(),
-                offset, obj.shape, obj.stride(), DTYPE_CODE[obj.dtype], obj.is_conj() | (obj.is_neg() << 1)))))
+            if not pointer:  # an empty tensor reports a null data pointer; its storage has its address
+                pointer = obj.untyped_storage().data_ptr()
+            elif offset:
+                pointer -= offset * obj.element_size()
+            # tuple(shape): msgpack packs a plain tuple faster than torch.Size
+            return _ext((_EXT_TENSOR, _pack((pointer, offset, tuple(obj.shape), obj.stride(), DTYPE_CODE[obj.dtype],
+                                             (raw & _RAW_CONJ == _RAW_CONJ) | ((raw & _RAW_NEG == _RAW_NEG) << 1)))))
         raise UnsupportedArgument(f"a tensor on device {obj.device} cannot be used in an op on the gpuwire device")
     ext = _DTYPE_EXT.get(obj) if isinstance(obj, torch.dtype) else None
     if ext is not None:

@@ -1,0 +1,127 @@
+"""The client's per-op hot path: how fresh tensors are made and tracked, how tensors are
+described on the wire, and when queued commands are written."""
+
+import socket
+
+import msgpack
+import torch
+
+import gpuwire
+from gpuwire import _io
+from gpuwire.client import device as dev
+from gpuwire.client import runtime as runtime_module
+from gpuwire.client import torch_module, wire
+
+
+def _rt():
+    return dev.current_runtime()
+
+
+def test_fresh_results_sit_on_their_own_remote_storage(device):
+    x = torch.randn(6, 5)
+    d = x.to(device)
+    y = d + 1  # a cached structured op: contiguous result, storage filled in place
+    y = d + 1
+    storage = y.untyped_storage()
+    assert y.data_ptr() == storage.data_ptr() and storage.nbytes() == 6 * 5 * 4
+    assert y.stride() == (5, 1) and y.storage_offset() == 0
+    assert storage.data_ptr() in _rt()._live
+    # views of it are bounds-checked against that size, and read back as local
+    assert torch.equal(y[2:].t().cpu(), (x + 1)[2:].t())
+    z = y.t() * 2  # a non-contiguous input: the result layout is C++'s
+    assert torch.equal(z.cpu(), (x + 1).t() * 2)
+
+
+def test_wrap_storage_with_offset_or_strides_of_its_own(device):
+    rt = _rt()
+    with rt.lock:
+        sid = rt.allocate(4 * 24)
+        t = dev.wrap_storage(rt, sid, 4 * 24, (3, 4), (1, 3), torch.float32, offset=2)
+    assert t.stride() == (1, 3) and t.storage_offset() == 2 and t.untyped_storage().nbytes() == 96
+    assert t.untyped_storage().data_ptr() == sid
+    t.copy_(torch.arange(12.0).reshape(3, 4))
+    assert torch.equal(t.cpu(), torch.arange(12.0).reshape(3, 4))
+
+
+def test_freed_storages_are_forgotten(device):
+    rt = _rt()
+    gpuwire.synchronize()
+    before = rt.live_storages
+    kept = [torch.ones(3, device=device) * i for i in range(5)]
+    assert rt.live_storages >= before + 5
+    assert all(isinstance(ref, runtime_module.StorageRef) for ref in rt._live.values())
+    ref = rt._live[kept[0].untyped_storage().data_ptr()]
+    assert not ref.expired()
+    del kept
+    gpuwire.synchronize()
+    assert rt.live_storages == before
+
+
+def test_tensor_descriptor_matches_tensor_ext(device):
+    x = torch.randn(4, 6, dtype=torch.complex64).to(device)
+    cases = [x, x[1:], x[:, 2:].t(), x.conj(), torch.ops.aten._neg_view.default(x[2:]), x[0:0],
+             torch.ops.aten._neg_view.default(x[1:].conj())]
+    for t in cases:
+        assert wire.encode_default(t) == wire.tensor_ext(t)
+    storage_id, offset, sizes, strides, _dtype, flags = msgpack.unpackb(wire.encode_default(cases[-1]).data)
+    assert (storage_id, offset, sizes, strides, flags) == (dev.storage_id_of(x), 6, [3, 6], [6, 1], 3)
+    assert torch.equal(cases[-1].cpu(), torch.ops.aten._neg_view.default(x.cpu()[1:].conj()))
+
+
+def test_device_guard_type():
+    assert torch_module.Guard().type_() == torch._C._autograd.DeviceType.PrivateUse1
+
+
+def test_flush_age_backs_off_until_a_sync_point(device, monkeypatch):
+    x = torch.ones(4, device=device)
+    x.add_(1)
+    gpuwire.synchronize()
+    clock = [1000.0]
+    monkeypatch.setattr(runtime_module, "_perf_counter", lambda: clock[0])
+    flushes = []
+    real = runtime_module.send_parts
+    monkeypatch.setattr(runtime_module, "send_parts", lambda sock, parts: flushes.append(len(parts)) or real(sock, parts))
+    age = runtime_module.FLUSH_AGE
+
+    def op_after(seconds):
+        clock[0] += seconds
+        x.add_(1)
+
+    op_after(0)  # opens a batch
+    op_after(age * 0.9)
+    assert flushes == []
+    op_after(age * 0.2)  # the batch's first command waited past FLUSH_AGE
+    assert flushes == [3]
+    op_after(0)
+    op_after(age * 1.5)  # now twice as long to wait
+    assert flushes == [3]
+    op_after(age)
+    assert flushes == [3, 3]
+    for _ in range(8):  # never past the cap: every second command (the first opens a batch)
+        op_after(runtime_module.FLUSH_AGE_MAX * 1.01)
+    assert flushes == [3, 3, 2, 2, 2, 2]
+    gpuwire.synchronize()  # the node caught up: the next batch waits FLUSH_AGE again
+    flushes.clear()
+    op_after(0)
+    op_after(age * 1.1)
+    assert flushes == [2]
+    gpuwire.synchronize()
+    assert torch.equal(x.cpu(), torch.full((4,), 18.0))
+
+
+def test_send_parts_joins_small_frames_and_keeps_bulk_buffers():
+    a, b = socket.socketpair()
+    try:
+        frames = [b"ab", b"", b"cde"]
+        assert _io.send_parts(a, frames) == 5
+        assert b.recv(16) == b"abcde"
+        payload = memoryview(bytearray(b"xyz" * 10))
+        assert _io.send_parts(a, [b"head", payload, b"tail"]) == 38
+        got = b""
+        while len(got) < 38:
+            got += b.recv(64)
+        assert got == b"head" + b"xyz" * 10 + b"tail"
+        assert _io.send_parts(a, []) == 0
+    finally:
+        a.close()
+        b.close()
