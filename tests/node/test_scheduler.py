@@ -195,6 +195,17 @@ def test_one_session_at_a_time_and_no_lost_wake_ups_under_many_threads():
     assert scheduler._running is None and not scheduler._waiting
 
 
+def _recording_waits(scheduler, outcome: dict):
+    """A thread target: wait for a turn, record whether it ran or was forgotten."""
+    def wait_for(session):
+        try:
+            with scheduler.turn(session):
+                outcome[session.name] = "ran"
+        except Forgotten:
+            outcome[session.name] = "forgotten"
+    return wait_for
+
+
 @pytest.mark.timeout(30)
 def test_forget_releases_a_waiting_session_and_the_device_stays_usable():
     scheduler = FairScheduler()
@@ -202,13 +213,7 @@ def test_forget_releases_a_waiting_session_and_the_device_stays_usable():
     turn = scheduler.turn(holder)
     turn.__enter__()
     outcome = {}
-
-    def wait_for(session):
-        try:
-            with scheduler.turn(session):
-                outcome[session.name] = "ran"
-        except Forgotten:
-            outcome[session.name] = "forgotten"
+    wait_for = _recording_waits(scheduler, outcome)
 
     t_gone = threading.Thread(target=wait_for, args=(gone,), daemon=True)
     t_gone.start()
@@ -234,13 +239,7 @@ def test_forgetting_the_session_just_woken_for_a_free_device_passes_the_turn_on(
     turn = scheduler.turn(holder)
     turn.__enter__()
     outcome = {}
-
-    def wait_for(session):
-        try:
-            with scheduler.turn(session):
-                outcome[session.name] = "ran"
-        except Forgotten:
-            outcome[session.name] = "forgotten"
+    wait_for = _recording_waits(scheduler, outcome)
 
     threads = []
     for s in (woken, behind):

@@ -36,21 +36,21 @@ def server(names=("aten::add.Tensor", "aten::mul.Tensor")) -> Connection:
     return conn
 
 
-def generic(conn: Connection, data: bytes):
-    """What the generic path makes of one frame: ``_next_frame`` alone (never the inline path)."""
+def _outcome(conn: Connection, data: bytes, read):
     conn.receive_data(data)
     try:
-        return conn._next_frame()
+        return read()
     except ProtocolError as exc:
         return ("error", type(exc), str(exc))
+
+
+def generic(conn: Connection, data: bytes):
+    """What the generic path makes of one frame: ``_next_frame`` alone (never the inline path)."""
+    return _outcome(conn, data, conn._next_frame)
 
 
 def fast(conn: Connection, data: bytes):
-    conn.receive_data(data)
-    try:
-        return conn.next_event()
-    except ProtocolError as exc:
-        return ("error", type(exc), str(exc))
+    return _outcome(conn, data, conn.next_event)
 
 
 def same(header, payload_len: int = 0):
