@@ -82,6 +82,7 @@ def test_flush_age_backs_off_until_a_sync_point(device, monkeypatch):
     real = runtime_module.send_parts
     monkeypatch.setattr(runtime_module, "send_parts", lambda sock, parts: flushes.append(len(parts)) or real(sock, parts))
     age = runtime_module.FLUSH_AGE
+    monkeypatch.setattr(runtime_module, "FLUSH_AGE_MAX", 4 * age)  # the default is a fixed age
 
     def op_after(seconds):
         clock[0] += seconds

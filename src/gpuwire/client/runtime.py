@@ -54,11 +54,11 @@ FLUSH_BYTES = 1 << 20
 # after it, so the node starts on a step's first (often largest) kernels while the client is
 # still dispatching the rest
 FLUSH_AGE = 200e-6
-# each flush made for age doubles the wait of the next one, up to this: a flush costs the client
-# 10-40 us (mostly waking the node), and while commands keep streaming the node usually still
-# has work from the batch before; a sync point, after which the node is idle, starts over at
-# FLUSH_AGE (FLUSH_AGE_MAX = FLUSH_AGE: a fixed age)
-FLUSH_AGE_MAX = 800e-6
+# each flush made for age may double the wait of the next one, up to this (a sync point starts
+# over at FLUSH_AGE). Backing off to 800 us halved the socket writes per step, but in one
+# interleaved run GPT-2 steps went 1.52x -> 1.71x of local (the node starved between batches;
+# mlp 1.63x -> 1.58x): a fixed age until a measurement says otherwise
+FLUSH_AGE_MAX = FLUSH_AGE
 CHUNK_BYTES = 16 << 20  # bulk transfers travel in frames of at most this many bytes
 COPY_PAYLOAD_BELOW = 256 << 10  # smaller uploads are copied into the queue; larger ones sent at once
 FIRST_ADDRESS = 1 << 32
