@@ -112,8 +112,10 @@ class StorageCache:
     def release(self, storage: torch.UntypedStorage) -> None:
         """Offer a storage nobody uses any more; kept if it is large, CPU and unshared."""
         nbytes = storage.nbytes()
+        # (not resizable is fine: exporting a storage to numpy, as receiving in place does, sets
+        # that for good; nothing on the node grows a storage it holds)
         if (nbytes < self.min_bytes or nbytes > self.max_bytes or storage.device.type != "cpu"
-                or not storage.resizable() or torch._C._storage_Use_Count(storage._cdata) != 1):
+                or torch._C._storage_Use_Count(storage._cdata) != 1):
             return
         now = time.monotonic()
         with self._lock:
