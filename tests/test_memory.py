@@ -1,10 +1,10 @@
-"""Host memory helpers (gpuwire._memory): the node's cache of freed CPU storages, huge pages."""
+"""The node's cache of freed CPU storages (gpuwire._memory)."""
 
 import time
 
 import torch
 
-from gpuwire._memory import StorageCache, advise_huge_pages, empty_host
+from gpuwire._memory import StorageCache
 
 MiB = 1 << 20
 
@@ -56,11 +56,3 @@ def test_blocks_unused_for_a_while_are_returned():
     time.sleep(0.1)
     cache.release(cache.allocate(3 * MiB))  # any call expires the old ones
     assert cache.bytes_held == 3 * MiB
-
-
-def test_huge_page_advice_is_harmless_and_buffers_are_usable():
-    small = empty_host(4096)
-    assert advise_huge_pages(small.data_ptr(), 4096) is False
-    big = empty_host(16 * MiB)
-    big.fill_(3)
-    assert big.numel() == 16 * MiB and int(big[-1]) == 3 and int(big.sum()) == 3 * 16 * MiB

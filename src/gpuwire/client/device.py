@@ -29,7 +29,6 @@ from itertools import chain
 import torch
 from torch._C import DispatchKey, DispatchKeySet
 
-from .._memory import advise_huge_pages
 from . import wire
 from .errors import ConnectionLost
 from .runtime import Runtime
@@ -1054,11 +1053,7 @@ def download(src: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tenso
     received straight into ``into`` (a contiguous CPU tensor of the same shape and dtype)
     or into a new tensor."""
     rt = runtime()
-    if into is None:
-        host = torch.empty(tuple(src.shape), dtype=src.dtype)
-        advise_huge_pages(host.data_ptr(), host.numel() * host.element_size())  # before the first touch
-    else:
-        host = into
+    host = into if into is not None else torch.empty(tuple(src.shape), dtype=src.dtype)
     with rt.lock:
         if not _plain(src):
             src = aten.clone.default(src, memory_format=torch.contiguous_format)
