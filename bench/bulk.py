@@ -1,7 +1,8 @@
 """Bulk throughput host→device and device→host, next to raw TCP on the same loopback.
 
 gpuwire: h2d = ``y = x.to("gpuwire"); gpuwire.synchronize()`` (the bytes are on the node and
-stored when it returns); d2h = ``y.cpu()`` (one round trip, bytes in a host tensor). Raw TCP:
+stored when it returns); d2h = ``y.cpu()`` (one round trip, bytes in a new host tensor, whose
+fresh pages the kernel faults in as they arrive) and ``host.copy_(y)`` into an existing one. Raw TCP:
 a sender thread ``sendall``s the same number of bytes from a host buffer over a persistent
 loopback connection to a receiver thread that ``recv_into``s a preallocated buffer; timed
 from the send until the receiver holds the last byte. The two alternate per repetition;
@@ -99,7 +100,8 @@ def run(ctx, result) -> None:
                 y = x.to(dev)
                 gpuwire.synchronize()
                 y.cpu()
-                h2d, d2h, tcp = [], [], []
+                h2d, d2h, d2h_into, tcp = [], [], [], []
+                landing = torch.zeros(nbytes, dtype=torch.uint8)  # an existing host tensor (touched)
                 for _ in range(reps[mib]):
                     tcp.append(raw.transfer(src, dst))
                     del y
@@ -111,6 +113,9 @@ def run(ctx, result) -> None:
                     back = y.cpu()
                     d2h.append(time.perf_counter() - t0)
                     del back
+                    t0 = time.perf_counter()
+                    landing.copy_(y)
+                    d2h_into.append(time.perf_counter() - t0)
                 if not torch.equal(y.cpu()[:4096], x[:4096]):
                     raise AssertionError("bytes read back differ from those written")
                 del y
@@ -118,8 +123,11 @@ def run(ctx, result) -> None:
                 result.add(f"host->device {label}", nbytes / GiB / median(h2d), "GiB/s", raw_gibs,
                            baseline_label="raw TCP GiB/s")
                 result.add(f"device->host {label}", nbytes / GiB / median(d2h), "GiB/s", raw_gibs,
-                           baseline_label="raw TCP GiB/s")
-                del x, src, dst, sink
+                           baseline_label="raw TCP GiB/s", note="y.cpu(): into a new host tensor")
+                result.add(f"device->host {label}, into an existing tensor", nbytes / GiB / median(d2h_into),
+                           "GiB/s", raw_gibs, baseline_label="raw TCP GiB/s",
+                           note="host.copy_(y): no fresh pages to fault in, as the raw TCP receiver")
+                del x, src, dst, sink, landing
             except Exception as exc:  # noqa: BLE001
                 result.fail(label, exc)
     finally:
