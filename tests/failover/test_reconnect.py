@@ -104,20 +104,24 @@ y = x.to("gpuwire")
 print(y[-1].item(), flush=True)
 if sys.argv[2] == "change":
     x.add_(1)  # the program writes to the source after the upload
+if sys.argv[2] == "repoint":  # what module.to(device) does to a parameter, then an optimizer step
+    x.data = torch.zeros(3)
+    x.add_(1)  # bumps the version counter, but the uploaded bytes are nobody's but the log's now
 print(gpuwire.stats()["recovery_log_bytes"], flush=True)
 sys.stdin.readline()  # the node is killed and restarted here
 print(y.sum().item(), flush=True)
 """
 
 
-@pytest.mark.parametrize("change", [False, True])
-def test_an_upload_is_replayed_from_the_programs_buffer_unless_it_changed(tmp_path, change):
+@pytest.mark.parametrize("what", ["keep", "change", "repoint"])
+def test_an_upload_is_replayed_from_the_programs_buffer_unless_it_changed(tmp_path, what):
     """A rebuild replays every upload since the last checkpoint. Large uploads are logged by
     reference to the program's tensor, not copied: replayed as they were when it is unchanged;
     refused with a message saying why when the program wrote to it in place since."""
     node = NodeProcess()
     port = node.port
-    proc = subprocess.Popen([sys.executable, "-c", UPLOAD_THEN_WAIT, node.address, "change" if change else "keep"],
+    change = what == "change"
+    proc = subprocess.Popen([sys.executable, "-c", UPLOAD_THEN_WAIT, node.address, what],
                             env={**os.environ, "GPUWIRE_DURABILITY": "checkpoint", "GPUWIRE_CHECKPOINT_INTERVAL": "3600",
                                  "GPUWIRE_RECONNECT_GRACE": "20"},
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -1011,19 +1011,34 @@ def _plain(t: torch.Tensor) -> bool:
 
 
 def _host_bytes(src: torch.Tensor):
-    """The bytes an upload of ``src`` sends, and ``unchanged()``: whether the program has not
-    written to them since. A private copy (a non-contiguous or conjugated source) never
-    changes; the program's own tensor has changed when its version counter has (every in-place
-    op on it or on a view of it bumps that). The recovery log keeps the bytes by reference while
-    they are unchanged, instead of a copy."""
+    """The bytes an upload of ``src`` sends, and ``unchanged()``: whether those bytes are still
+    what was sent. The recovery log keeps them by reference while that holds, not a copy.
+
+    A private copy (a non-contiguous or conjugated source) never changes. The program's own
+    tensor is unchanged while its version counter is (every in-place op on it or on a view of it
+    bumps that), or once nothing but the log refers to the old bytes: ``module.to(device)``
+    re-points each parameter at its device copy (``param.data = ...``), after which the
+    optimizer's in-place updates bump the counter without touching the host bytes."""
     c = src.detach().resolve_conj().resolve_neg().contiguous()
     if c.numel() == 0:
         return memoryview(b""), _always
-    data = memoryview(c.reshape(-1).view(torch.uint8).numpy())
+    flat = c.reshape(-1).view(torch.uint8)
+    data = memoryview(flat.numpy())
     if c.data_ptr() != src.data_ptr():
         return data, _always
-    version = src._version
-    return data, lambda: src._version == version
+    del c, flat
+    storage = src.untyped_storage()  # ours: this and the byte view the memoryview keeps alive
+    ptr, version = storage.data_ptr(), src._version
+
+    def unchanged() -> bool:
+        if src._version == version:
+            return True
+        return src.untyped_storage().data_ptr() != ptr and _use_count(storage._cdata) <= _OURS
+    return data, unchanged
+
+
+_use_count = torch._C._storage_Use_Count
+_OURS = 2
 
 
 def _always() -> bool:

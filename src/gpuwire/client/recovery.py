@@ -191,6 +191,9 @@ class Recovery:
             self.stats["rebuilds"] += 1
             self.stats["last_recovery_seconds"] = round(seconds, 3)
             _say(f"node {lost_address} lost at op {at_op:,}; resumed on {rt.address} in {seconds:.1f} s")
+        except Unreplayable as exc:  # no node can be given what is gone: say so, do not retry
+            raise rt._lost(cause, f"lost the connection to gpuwire node {lost_address} ({cause}) and cannot "
+                                  f"restore the session: {exc}") from None
         finally:
             self._busy = False
 
@@ -322,11 +325,11 @@ class Recovery:
                 elif frame.unchanged():
                     flat.extend(frame.parts)
                 else:
-                    raise ConnectionLost(
+                    raise Unreplayable(
                         f"a {frame.nbytes / 2**20:.1f} MiB upload cannot be sent again: the program changed its "
                         "source tensor in place after the upload, before the node confirmed it (the next sync "
                         "point). Keep an uploaded tensor unchanged until then (or upload a .clone()), or run "
-                        "with GPUWIRE_DURABILITY=none") from None
+                        "with GPUWIRE_DURABILITY=none")
             frames = flat
         if frames:
             self.rt.bytes_sent += send_parts(self.rt._sock, frames)
@@ -406,6 +409,10 @@ class Recovery:
         finally:
             self._nested = False
             self.notice = None
+
+
+class Unreplayable(Exception):
+    """The log cannot be replayed (an upload's source changed since): no retry will help."""
 
 
 class Borrowed:
