@@ -118,6 +118,10 @@ def serve(
     if exit_with_stdin:
         threading.Thread(target=exit_when_stdin_closes, daemon=True).start()
     agent = None
+    # SIGTERM during registration is held until the agent exists, so the pool hears the node leave: a
+    # supervisor may stop the node the moment it shows up in the pool.
+    terminate_requested = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: terminate_requested.set())
     if pool:  # register with the pool and heartbeat (src/gpuwire/pool/agent.py)
         from .pool.agent import AgentError, start_agent
         try:
@@ -130,7 +134,15 @@ def serve(
             typer.echo(f"gpuwire serve: {exc}", err=True)
             server.close()
             raise typer.Exit(2)
-    signal.signal(signal.SIGTERM, lambda *_: (agent and agent.stop(), server.close(), os._exit(0)))
+    def leave(*_):
+        if agent is not None:
+            agent.stop()
+        server.close()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, leave)
+    if terminate_requested.is_set():
+        leave()
     try:
         from .node.session import start_meta_warm_up
         start_meta_warm_up()  # the node process only: not in programs that embed a node
