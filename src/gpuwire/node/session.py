@@ -51,6 +51,7 @@ MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_l
 LAYOUTS = tuple(getattr(torch, name, None) for name in codec.LAYOUT_NAMES)
 NODE_ID_BASE = 1 << 60  # node-chosen storage ids live above every client-chosen one
 VIEW_CACHE_MAX = 4096  # cached descriptor views per session
+_INT64_LIMIT = 1 << 63
 # freed CPU-backend blocks of 1 MiB and more, kept for reuse by the next allocation of the same
 # size (what a CUDA device's caching allocator does); shared by the node's sessions, which see
 # only zeroed or fully overwritten memory either way (``allocate``). _memory.py says why.
@@ -260,10 +261,16 @@ class Session:
                                "(freed, never allocated, or owned by another session)")
         dtype = self._dtype(dtype_code)
         high = offset
+        numel = 1
         for size, stride in zip(sizes, strides):
             if stride < 0:
                 raise SessionError("negative strides are not supported")
             high += (size - 1) * stride
+            numel *= size
+        if numel * dtype.itemsize >= _INT64_LIMIT or any(size >= _INT64_LIMIT for size in sizes):
+            # a zero-stride (or empty) view passes the bounds check below however large its shape;
+            # past int64 torch cannot even build it
+            raise SessionError(f"tensor view of sizes {list(sizes)} has more elements than int64 can count")
         # an empty view reads nothing, so its offset may lie past the end, as on CPU/CUDA
         # (``narrow``/negative padding of an edge gives one)
         if all(sizes) and (high + 1) * dtype.itemsize > storage.nbytes():
@@ -273,7 +280,11 @@ class Session:
         base = self._empty.get(dtype)
         if base is None:
             base = self._empty[dtype] = torch.empty(0, dtype=dtype, device=self.device)
-        t = base.new_empty(0).set_(storage, offset, sizes, strides)
+        try:
+            t = base.new_empty(0).set_(storage, offset, sizes, strides)
+        except RuntimeError as exc:  # whatever else torch refuses in a view: this command fails, not the session
+            raise SessionError(f"invalid tensor view (offset {offset}, sizes {list(sizes)}, strides "
+                               f"{list(strides)}): {exc}") from None
         if flags:
             if flags & 1:
                 t = t.conj()
