@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .composite import COMPOSITE_OPS
+from .composite import COMPOSITE_OPS, _generator_for
 
 
 class OpRefused(Exception):
@@ -35,26 +35,57 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
                                           is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
+def _sdpa_with_rng(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False):
+    """SDPA with dropout; also the generator state from before it ran, which the backward
+    rewinds to so that its recomputation draws the same mask."""
+    state = _generator_for(query.device).get_state()
+    return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa), state.to(query.device)
+
+
 def _sdpa_backward(grad_out, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                   enable_gqa=False, mask_requires_grad=False):
+                   enable_gqa=False, mask_requires_grad=False, rng_state=None):
     """Gradients of SDPA by recomputing the forward under autograd on the node (same kernels
-    as a local run, so results match bit for bit)."""
-    with torch.enable_grad():
-        q, k, v = (t.detach().requires_grad_(True) for t in (query, key, value))
-        inputs = [q, k, v]
-        mask = attn_mask
-        if mask is not None and mask_requires_grad:
-            mask = attn_mask.detach().requires_grad_(True)
-            inputs.append(mask)
-        out = _sdpa(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
-        grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
+    as a local run, so results match bit for bit); with dropout, from the generator state the
+    forward started at (``_sdpa_with_rng``), put back afterwards."""
+    generator = saved = None
+    if dropout_p and rng_state is not None:
+        generator = _generator_for(query.device)
+        saved = generator.get_state()
+        generator.set_state(rng_state.cpu().contiguous())
+    elif dropout_p:
+        raise ValueError("gpuwire::sdpa_backward with dropout needs the forward's generator state")
+    try:
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_(True) for t in (query, key, value))
+            inputs = [q, k, v]
+            mask = attn_mask
+            if mask is not None and mask_requires_grad:
+                mask = attn_mask.detach().requires_grad_(True)
+                inputs.append(mask)
+            out = _sdpa(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
+            grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
+    finally:
+        if generator is not None:
+            generator.set_state(saved)
     grads = list(grads) + [None] * (4 - len(grads))
     return tuple(g if g is not None else None for g in grads)
 
 
+def _dropout(input, p):
+    """A local CPU run's dropout (ATen ``_dropout_impl``): the output and the scaled mask."""
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1 (exclusive here), but got {p}")
+    noise = torch.empty_like(input).bernoulli_(1 - p)
+    noise.div_(1 - p)
+    return input * noise, noise
+
+
 GPUWIRE_OPS = {
     "gpuwire::sdpa": _sdpa,
+    "gpuwire::sdpa_with_rng": _sdpa_with_rng,
     "gpuwire::sdpa_backward": _sdpa_backward,
+    "gpuwire::dropout": _dropout,
     **COMPOSITE_OPS,
 }
 

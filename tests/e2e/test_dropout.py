@@ -1,0 +1,116 @@
+"""Training with dropout through a real node, compared with local CPU bit for bit.
+
+Dropout draws from the node's generator, which ``torch.manual_seed`` seeds as it seeds the
+local one; seeded right before training, a remote run draws the same masks as a local run.
+Attention dropout travels as one op (``gpuwire::sdpa_with_rng``) whose backward recomputes
+the forward from the generator state it started at; ``nn.Dropout`` as one op
+(``gpuwire::dropout``)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gpuwire
+from gpuwire.client import fused
+
+from .test_training import assert_states_equal
+
+
+def _gpt2_with_dropout():
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
+    transformers.logging.set_verbosity_error()
+    cfg = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=32, bos_token_id=0, eos_token_id=0,
+                     resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.2, attn_implementation="sdpa")
+    return GPT2LMHeadModel(cfg)
+
+
+def _train_gpt2(dev, steps=3):
+    torch.manual_seed(0)
+    model = _gpt2_with_dropout().to(dev)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(1)).to(dev)
+    torch.manual_seed(7)  # the masks: the same stream on the node as in a local run
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(params=["decomposed", "replayed"])
+def sdpa_dropout(request, monkeypatch):
+    """Attention dropout both ways: the math decomposition (what a CPU-backend node gets) and
+    one op whose backward replays the generator (what a CUDA node gets)."""
+    monkeypatch.setattr(fused, "REPLAY_SDPA_DROPOUT", request.param == "replayed")
+    return request.param
+
+
+def test_gpt2_with_attention_and_residual_dropout_trains_bit_for_bit(device, sdpa_dropout):
+    cpu_losses, cpu_state = _train_gpt2("cpu")
+    losses, state = _train_gpt2(device)
+    assert losses == cpu_losses
+    assert_states_equal(state, cpu_state)
+
+
+def test_attention_dropout_gradients_match_and_replayed_it_is_one_message(device, sdpa_dropout):
+    def run(dev):
+        g = torch.Generator().manual_seed(3)
+        q, k, v = (torch.randn(2, 2, 8, 4, generator=g).to(dev).requires_grad_() for _ in range(3))
+        mask = torch.randn(8, 8, generator=g).to(dev)
+        torch.manual_seed(11)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.5)
+        (out * out).sum().backward()
+        after = torch.rand(3, device=dev)  # the backward's recomputation left the generator where it was
+        return [t.detach().cpu() for t in (out, q.grad, k.grad, v.grad, after)]
+
+    expected = run("cpu")
+    got = run(device)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    if sdpa_dropout == "decomposed":
+        return
+    q = torch.randn(1, 1, 4, 4, device=device, requires_grad=True)
+    before = gpuwire.stats()["ops_sent"]
+    out = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
+    assert gpuwire.stats()["ops_sent"] - before == 1  # the forward: one message, whatever PyTorch decomposes
+    grad = torch.ones_like(out)
+    before = gpuwire.stats()["ops_sent"]
+    (q_grad,) = torch.autograd.grad(out, q, grad)
+    assert gpuwire.stats()["ops_sent"] - before == 3  # the recomputing backward, then two adds: q is q, k and v
+
+
+def test_dropout_module_trains_bit_for_bit_and_eval_is_identity(device):
+    def run(dev):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                                    torch.nn.Linear(32, 4)).to(dev)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).to(dev)
+        torch.manual_seed(5)
+        losses = []
+        for _ in range(4):
+            loss = model(x).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        model.eval()
+        return losses, model(x).detach().cpu(), {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+    cpu_losses, cpu_eval, cpu_state = run("cpu")
+    losses, evaluated, state = run(device)
+    assert losses == cpu_losses
+    assert torch.equal(evaluated, cpu_eval)
+    assert_states_equal(state, cpu_state)
+
+
+@pytest.mark.parametrize("p", [0.0, 1.0])
+def test_dropout_edge_probabilities(device, p):
+    x = torch.randn(4, 5)
+    remote = F.dropout(x.to(device).requires_grad_(), p)
+    local = F.dropout(x.clone().requires_grad_(), p)
+    assert torch.equal(remote.detach().cpu(), local.detach())
