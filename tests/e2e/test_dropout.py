@@ -6,12 +6,13 @@ Attention dropout travels as one op (``gpuwire::sdpa_with_rng``) whose backward 
 the forward from the generator state it started at; ``nn.Dropout`` as one op
 (``gpuwire::dropout``)."""
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import gpuwire
-from gpuwire.client import fused
 
 from .test_training import assert_states_equal
 
@@ -42,22 +43,14 @@ def _train_gpt2(dev, steps=3):
     return losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
-@pytest.fixture(params=["decomposed", "replayed"])
-def sdpa_dropout(request, monkeypatch):
-    """Attention dropout both ways: the math decomposition (what a CPU-backend node gets) and
-    one op whose backward replays the generator (what a CUDA node gets)."""
-    monkeypatch.setattr(fused, "REPLAY_SDPA_DROPOUT", request.param == "replayed")
-    return request.param
-
-
-def test_gpt2_with_attention_and_residual_dropout_trains_bit_for_bit(device, sdpa_dropout):
+def test_gpt2_with_attention_and_residual_dropout_trains_bit_for_bit(device):
     cpu_losses, cpu_state = _train_gpt2("cpu")
     losses, state = _train_gpt2(device)
     assert losses == cpu_losses
     assert_states_equal(state, cpu_state)
 
 
-def test_attention_dropout_gradients_match_and_replayed_it_is_one_message(device, sdpa_dropout):
+def test_attention_dropout_is_one_message_each_way_and_matches_cpu(device):
     def run(dev):
         g = torch.Generator().manual_seed(3)
         q, k, v = (torch.randn(2, 2, 8, 4, generator=g).to(dev).requires_grad_() for _ in range(3))
@@ -71,8 +64,6 @@ def test_attention_dropout_gradients_match_and_replayed_it_is_one_message(device
     expected = run("cpu")
     got = run(device)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
-    if sdpa_dropout == "decomposed":
-        return
     q = torch.randn(1, 1, 4, 4, device=device, requires_grad=True)
     before = gpuwire.stats()["ops_sent"]
     out = F.scaled_dot_product_attention(q, q, q, dropout_p=0.5)
@@ -114,3 +105,46 @@ def test_dropout_edge_probabilities(device, p):
     remote = F.dropout(x.to(device).requires_grad_(), p)
     local = F.dropout(x.clone().requires_grad_(), p)
     assert torch.equal(remote.detach().cpu(), local.detach())
+
+
+def in_use():
+    """Bytes the node holds for this session once every dead tensor's Free has reached it."""
+    gc.collect()
+    torch.gpuwire.empty_cache()
+    return torch.gpuwire.memory_allocated()
+
+
+def test_the_kept_attention_graph_counts_against_the_session_and_is_freed_with_it(device):
+    q, k, v = (torch.randn(2, 2, 64, 16).to(device).requires_grad_() for _ in range(3))
+    base = in_use()
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    held = in_use() - base
+    attention_weights = 2 * 2 * 64 * 64 * 4  # what the math path saves for its backward, at least
+    assert held >= out.numel() * 4 + attention_weights
+    out.sum().backward()
+    del out
+    q.grad = k.grad = v.grad = None
+    assert in_use() == base  # graph, handle, generator state and output all gone on the node
+
+
+def test_a_second_backward_recomputes_from_the_generator_state(device):
+    def run(dev):
+        g = torch.Generator().manual_seed(4)
+        q, k, v = (torch.randn(1, 2, 6, 4, generator=g).to(dev).requires_grad_() for _ in range(3))
+        torch.manual_seed(9)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.4, is_causal=True)
+        grad = torch.randn(out.shape, generator=g).to(dev)
+        out.backward(grad, retain_graph=True)  # the node's graph frees its buffers here
+        out.backward(grad)  # so this one recomputes, drawing the same mask
+        return [t.detach().cpu() for t in (out, q.grad, k.grad, v.grad)]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(device), run("cpu")))
+
+
+def test_attention_without_gradients_keeps_no_graph(device):
+    q = torch.randn(1, 1, 8, 4).to(device)
+    wq = torch.randn(1, 1, 8, 4).to(device).requires_grad_()
+    base = in_use()
+    with torch.no_grad():
+        out = F.scaled_dot_product_attention(wq, q, q, dropout_p=0.5)
+    assert in_use() - base == out.numel() * 4  # the output alone

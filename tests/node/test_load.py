@@ -37,6 +37,7 @@ from gpuwire.protocol.events import Free, Hello, Welcome
 
 SESSIONS = 64
 PROCESSES = 4
+FRAME_TIMEOUT = 60.0  # NodeServer.frame_timeout: a started frame must complete within it
 MAX_LATENCY = 15.0  # seconds: no session's op may wait longer than this, slow lorises or not
 HANDSHAKE_TIMEOUT = 2.0
 
@@ -321,7 +322,10 @@ def run_load(node, seconds: float) -> dict:
         done.set()
         watcher.join(timeout=5)
     elapsed = time.monotonic() - started
-    open_during_load = {l.kind: l.closed_after is None or l.closed_after > elapsed for l in lorises}
+    # open while the load ran, or until the node's frame timeout (a frame that started must
+    # finish within it) ended it, whichever came first: a session is not closed as a handshake
+    open_during_load = {l.kind: l.closed_after is None or l.closed_after > min(elapsed, FRAME_TIMEOUT - 1)
+                        for l in lorises}
     for loris in lorises:
         loris.close()
     deadline = time.monotonic() + 20  # sessions end as their Goodbyes arrive

@@ -4,12 +4,12 @@ Sits beside ``client.device``: PyTorch picks SDPA's fused kernel through a C++ s
 ignores PrivateUse1, so on our device attention would decompose into ~15 ops (and differ
 numerically from a local run that uses a fused kernel). We override the autograd kernel of
 ``aten::scaled_dot_product_attention`` for our device: the forward is one remote op running
-PyTorch's own SDPA on the node; the backward is one remote op that recomputes the forward
-under autograd there (same kernels as local, so the gradients match a local run).
-With dropout (on a CUDA node) the forward also returns the node generator's state from before
-it ran, and the backward rewinds to it, so the recomputation draws the same mask and the node
-keeps the fused kernels a local run uses with dropout; a CPU-backend node runs the math
-decomposition, as a local CPU run does (``REPLAY_SDPA_DROPOUT`` says why).
+PyTorch's own SDPA on the node (its fused kernels where a local run would use them, dropout
+included); when a backward is to come the node runs it under autograd and keeps the graph, so
+the backward is one remote op costing what a local run's does (no recomputation), and the
+results match a local run bit for bit. Should the graph be gone (a migration to another node,
+a second backward) the node recomputes the forward from the generator state it started at,
+which draws the same dropout mask.
 
 ``dropout`` on a CPU-backend node is one remote op too (the bernoulli, scale and multiply a
 local CPU run does, returning the scaled mask for the backward): 1 message instead of 4.
@@ -34,57 +34,46 @@ def _sdpa_out_shape(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     return _device.output_spec(out.shape, out.stride(), out.dtype)
 
 
+_HANDLE_SPEC = None
+
+
 class _RemoteSDPA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, replayable):
+    def forward(ctx, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        global _HANDLE_SPEC
         spec = _sdpa_out_shape(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        args = (q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        if replayable:  # dropout with a backward to come: keep where the generator was
-            out, rng_state = _device.submit_with_outputs("gpuwire::sdpa_with_rng", args, {}, [spec, _rng_spec()])
-        else:
-            (out,) = _device.submit_with_outputs("gpuwire::sdpa", args, {}, [spec])
-            rng_state = None
-        ctx.save_for_backward(q, k, v, attn_mask, rng_state)
-        ctx.options = (dropout_p, is_causal, scale, enable_gqa)
         ctx.mask_requires_grad = attn_mask is not None and attn_mask.requires_grad and attn_mask.is_floating_point()
+        args = (q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        if not any(ctx.needs_input_grad[:4]):
+            (out,) = _device.submit_with_outputs("gpuwire::sdpa", args, {}, [spec])
+            return out
+        # the node keeps the graph for the backward (no recomputation); the generator state and
+        # the inputs let it recompute should the graph be gone (a migration, a second backward)
+        if _HANDLE_SPEC is None:
+            _HANDLE_SPEC = _device.output_spec((1,), (1,), torch.uint8)
+        state_spec = _rng_spec() if dropout_p > 0.0 else _device.output_spec((0,), (1,), torch.uint8)
+        out, rng_state, handle = _device.submit_with_outputs(
+            "gpuwire::sdpa_keep", (*args, ctx.mask_requires_grad), {}, [spec, state_spec, _HANDLE_SPEC])
+        ctx.save_for_backward(q, k, v, attn_mask, rng_state, handle)
+        ctx.options = (dropout_p, is_causal, scale, enable_gqa)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, attn_mask, rng_state = ctx.saved_tensors
+        q, k, v, attn_mask, rng_state, handle = ctx.saved_tensors
         dropout_p, is_causal, scale, enable_gqa = ctx.options
-        if rng_state is None:
-            dropout_p = 0.0
         wanted = [q, k, v] + ([attn_mask] if ctx.mask_requires_grad else [])
         grads = _device.submit_with_outputs(
-            "gpuwire::sdpa_backward",
-            (grad_out.contiguous(), q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, ctx.mask_requires_grad,
-             rng_state),
+            "gpuwire::sdpa_backward_kept",
+            (handle, rng_state, grad_out.contiguous(), q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+             ctx.mask_requires_grad),
             {}, _specs_like(*wanted))
         grads = list(grads) + [None] * (4 - len(grads))
-        return grads[0], grads[1], grads[2], grads[3], None, None, None, None, None
-
-
-# With dropout and a backward to come, SDPA is sent whole and its backward recomputes the
-# forward from the generator state it started at. On a CPU-backend node that recomputation costs
-# more than the math decomposition's extra messages (measured: +10 % node CPU on a GPT-2 step),
-# so there the decomposition runs as a local CPU run's does; elsewhere (CUDA) the node keeps the
-# fused kernels a local run uses with dropout. None: decide by the node's backend.
-REPLAY_SDPA_DROPOUT: bool | None = None
+        return grads[0], grads[1], grads[2], grads[3], None, None, None, None
 
 
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    replayable = dropout_p > 0.0 and torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (query, key, value, attn_mask))
-    if replayable:
-        replay = REPLAY_SDPA_DROPOUT
-        if replay is None:
-            replay = _device.runtime().device_info.get("backend") != "cpu"
-        if not replay:
-            out, _ = torch.ops.aten._scaled_dot_product_attention_math.default(
-                query, key, value, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa)
-            return out
-    return _RemoteSDPA.apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, replayable)
+    return _RemoteSDPA.apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 class _RemoteDropout(torch.autograd.Function):

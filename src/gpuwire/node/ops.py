@@ -72,6 +72,64 @@ def _sdpa_backward(grad_out, query, key, value, attn_mask=None, dropout_p=0.0, i
     return tuple(g if g is not None else None for g in grads)
 
 
+# SDPA forwards whose backward is still to come: the autograd graph the node built, kept
+# under the data pointer of a 1-byte "handle" storage returned to the client with the result.
+# The entry holds the handle, so that pointer cannot be reused while the entry exists; a
+# session reaches only its own storages, so only its own graphs. The session drops an entry
+# when the handle storage is freed (``Session._release``/``close``) and charges the bytes the
+# graph saved to its memory budget meanwhile (``Session._adopt``).
+KEPT_GRAPHS: dict = {}  # handle data_ptr -> (handle, output, inputs, saved bytes)
+
+
+def _sdpa_keep(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+               mask_requires_grad=False):
+    """SDPA run under autograd on the node, its graph kept for ``_sdpa_backward_kept``: the
+    backward then costs what a local run's does (no recomputation). Returns the output, the
+    generator state from before (for a recomputing backward should the graph be gone: after a
+    migration or a second backward), and the handle."""
+    device = query.device
+    state = _generator_for(device).get_state().to(device) if dropout_p else torch.empty(0, dtype=torch.uint8,
+                                                                                         device=device)
+    inputs = [t.detach().requires_grad_(True) for t in (query, key, value)]
+    mask = attn_mask
+    if mask is not None and mask_requires_grad:
+        mask = attn_mask.detach().requires_grad_(True)
+        inputs.append(mask)
+    known = {t.untyped_storage().data_ptr() for t in (query, key, value, attn_mask) if t is not None}
+    saved: dict = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in known:
+            saved[ptr] = storage.nbytes()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = _sdpa(inputs[0], inputs[1], inputs[2], mask, dropout_p, is_causal, scale, enable_gqa)
+    handle = torch.empty(1, dtype=torch.uint8, device=device)
+    if device.type != "meta":
+        KEPT_GRAPHS[handle.untyped_storage().data_ptr()] = (handle, out, inputs, sum(saved.values()))
+    return out.detach(), state, handle
+
+
+def _sdpa_backward_kept(handle, rng_state, grad_out, query, key, value, attn_mask=None, dropout_p=0.0,
+                        is_causal=False, scale=None, enable_gqa=False, mask_requires_grad=False):
+    """Gradients of a ``_sdpa_keep`` forward from its kept graph; by recomputation (with the
+    generator rewound) when the graph is gone."""
+    kept = KEPT_GRAPHS.get(handle.untyped_storage().data_ptr()) if handle.numel() else None
+    if kept is not None and kept[0].untyped_storage().data_ptr() == handle.untyped_storage().data_ptr():
+        _, out, inputs, _ = kept
+        if out.shape == grad_out.shape:
+            try:
+                grads = list(torch.autograd.grad(out, inputs, grad_out, allow_unused=True))
+                return tuple(grads + [None] * (4 - len(grads)))
+            except RuntimeError:  # its buffers were freed by an earlier backward: recompute
+                pass
+    return _sdpa_backward(grad_out, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                          mask_requires_grad, rng_state if dropout_p else None)
+
+
 def _dropout(input, p):
     """A local CPU run's dropout (ATen ``_dropout_impl``): the output and the scaled mask."""
     if not 0.0 < p < 1.0:
@@ -85,6 +143,8 @@ GPUWIRE_OPS = {
     "gpuwire::sdpa": _sdpa,
     "gpuwire::sdpa_with_rng": _sdpa_with_rng,
     "gpuwire::sdpa_backward": _sdpa_backward,
+    "gpuwire::sdpa_keep": _sdpa_keep,
+    "gpuwire::sdpa_backward_kept": _sdpa_backward_kept,
     "gpuwire::dropout": _dropout,
     **COMPOSITE_OPS,
 }

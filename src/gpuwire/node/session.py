@@ -41,7 +41,7 @@ from ..protocol.events import (
 from .backend import Backend
 from ..pool.sizes import format_size
 from .composite import tensor_leaves
-from .ops import OpTable
+from .ops import KEPT_GRAPHS, OpTable
 
 log = logging.getLogger("gpuwire.node")
 
@@ -162,6 +162,7 @@ class Session:
         self._overwriting = None  # storage id an op is filling in place of zeroing it
         self._thread = None  # the thread that last ran this session's commands
         self._op_entries: dict = {}  # op name -> (resolved op, what to call, guard kind)
+        self._graph_bytes: dict = {}  # handle storage id -> bytes its kept SDPA graph saved (ops.KEPT_GRAPHS)
 
     # ------------------------------------------------------------ decoding hooks
 
@@ -327,6 +328,9 @@ class Session:
             self.bytes_in_use -= nbytes
             if nbytes:
                 self._live_ptrs.discard(storage.data_ptr())
+                if self._graph_bytes and storage_id in self._graph_bytes:
+                    KEPT_GRAPHS.pop(storage.data_ptr(), None)
+                    self.bytes_in_use -= self._graph_bytes.pop(storage_id)
                 if nbytes >= _CACHED_FROM and storage.device.type == "cpu":
                     # views of it hold references: drop them, so the block can be reused
                     for data in self._view_keys.pop(storage_id, ()):
@@ -388,6 +392,11 @@ class Session:
         return False
 
     def close(self) -> None:
+        for storage_id in self._graph_bytes:
+            storage = self.storages.get(storage_id)
+            if storage is not None:
+                KEPT_GRAPHS.pop(storage.data_ptr(), None)
+        self._graph_bytes.clear()
         self.storages.clear()
         self._live_ptrs.clear()
         self.bytes_in_use = 0
@@ -641,6 +650,10 @@ class Session:
             self.peak_bytes = self.bytes_in_use
         if have:
             self._live_ptrs.add(ptr)
+            if KEPT_GRAPHS and ptr in KEPT_GRAPHS:  # an SDPA graph kept for its backward: charge what it saved
+                graph_bytes = KEPT_GRAPHS[ptr][3]
+                self._graph_bytes[storage_id] = graph_bytes
+                self.bytes_in_use += graph_bytes
         # the client names this result next by the descriptor of exactly this layout: cache the
         # result as that descriptor's view, so it need not be decoded and rebuilt (a different
         # encoding only misses; ``ext_hook`` checks storage and metadata on every hit)
