@@ -7,6 +7,8 @@ host side effects are refused by name, whatever the namespace says.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -72,13 +74,10 @@ def _sdpa_backward(grad_out, query, key, value, attn_mask=None, dropout_p=0.0, i
     return tuple(g if g is not None else None for g in grads)
 
 
-# SDPA forwards whose backward is still to come: the autograd graph the node built, kept
-# under the data pointer of a 1-byte "handle" storage returned to the client with the result.
-# The entry holds the handle, so that pointer cannot be reused while the entry exists; a
-# session reaches only its own storages, so only its own graphs. The session drops an entry
-# when the handle storage is freed (``Session._release``/``close``) and charges the bytes the
-# graph saved to its memory budget meanwhile (``Session._adopt``).
-KEPT_GRAPHS: dict = {}  # handle data_ptr -> (handle, output, inputs, saved bytes)
+# The session whose command is running on this thread, for the ops that keep state in it
+# (``SESSION_OPS``); set by ``Session._run_op`` around the call only, so a meta run (the
+# allocation guard) sees None.
+CURRENT = threading.local()
 
 
 def _sdpa_keep(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
@@ -108,8 +107,9 @@ def _sdpa_keep(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = _sdpa(inputs[0], inputs[1], inputs[2], mask, dropout_p, is_causal, scale, enable_gqa)
     handle = torch.empty(1, dtype=torch.uint8, device=device)
-    if device.type != "meta":
-        KEPT_GRAPHS[handle.untyped_storage().data_ptr()] = (handle, out, inputs, sum(saved.values()))
+    session = getattr(CURRENT, "session", None)
+    if session is not None and device.type != "meta":
+        session.keep_graph(handle.untyped_storage(), out, inputs, sum(saved.values()))
     return out.detach(), state, handle
 
 
@@ -117,9 +117,10 @@ def _sdpa_backward_kept(handle, rng_state, grad_out, query, key, value, attn_mas
                         is_causal=False, scale=None, enable_gqa=False, mask_requires_grad=False):
     """Gradients of a ``_sdpa_keep`` forward from its kept graph; by recomputation (with the
     generator rewound) when the graph is gone."""
-    kept = KEPT_GRAPHS.get(handle.untyped_storage().data_ptr()) if handle.numel() else None
-    if kept is not None and kept[0].untyped_storage().data_ptr() == handle.untyped_storage().data_ptr():
-        _, out, inputs, _ = kept
+    session = getattr(CURRENT, "session", None)
+    kept = session.kept_graph(handle) if session is not None else None
+    if kept is not None:
+        out, inputs = kept
         if out.shape == grad_out.shape:
             try:
                 grads = list(torch.autograd.grad(out, inputs, grad_out, allow_unused=True))
@@ -139,6 +140,7 @@ def _dropout(input, p):
     return input * noise, noise
 
 
+SESSION_OPS = frozenset({"gpuwire::sdpa_keep", "gpuwire::sdpa_backward_kept"})
 GPUWIRE_OPS = {
     "gpuwire::sdpa": _sdpa,
     "gpuwire::sdpa_with_rng": _sdpa_with_rng,

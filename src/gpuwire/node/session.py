@@ -41,7 +41,7 @@ from ..protocol.events import (
 from .backend import Backend
 from ..pool.sizes import format_size
 from .composite import tensor_leaves
-from .ops import KEPT_GRAPHS, OpTable
+from .ops import CURRENT, SESSION_OPS, OpTable
 
 log = logging.getLogger("gpuwire.node")
 
@@ -52,6 +52,8 @@ LAYOUTS = tuple(getattr(torch, name, None) for name in codec.LAYOUT_NAMES)
 NODE_ID_BASE = 1 << 60  # node-chosen storage ids live above every client-chosen one
 VIEW_CACHE_MAX = 4096  # cached descriptor views per session
 _INT64_LIMIT = 1 << 63
+_storage_expired = torch.UntypedStorage._expired
+_free_weak_ref = torch.UntypedStorage._free_weak_ref
 # freed CPU-backend blocks of 1 MiB and more, kept for reuse by the next allocation of the same
 # size (what a CUDA device's caching allocator does); shared by the node's sessions, which see
 # only zeroed or fully overwritten memory either way (``allocate``). _memory.py says why.
@@ -162,7 +164,10 @@ class Session:
         self._overwriting = None  # storage id an op is filling in place of zeroing it
         self._thread = None  # the thread that last ran this session's commands
         self._op_entries: dict = {}  # op name -> (resolved op, what to call, guard kind)
-        self._graph_bytes: dict = {}  # handle storage id -> bytes its kept SDPA graph saved (ops.KEPT_GRAPHS)
+        # SDPA graphs kept for their backward (``ops._sdpa_keep``): handle storage data_ptr ->
+        # (weak ref to the handle storage, output, inputs, bytes the graph saved)
+        self._kept: dict = {}
+        self._sweep_kept_above = 64
 
     # ------------------------------------------------------------ decoding hooks
 
@@ -328,14 +333,42 @@ class Session:
             self.bytes_in_use -= nbytes
             if nbytes:
                 self._live_ptrs.discard(storage.data_ptr())
-                if self._graph_bytes and storage_id in self._graph_bytes:
-                    KEPT_GRAPHS.pop(storage.data_ptr(), None)
-                    self.bytes_in_use -= self._graph_bytes.pop(storage_id)
+                if self._kept and storage.data_ptr() in self._kept:
+                    self._drop_graph(storage.data_ptr())
                 if nbytes >= _CACHED_FROM and storage.device.type == "cpu":
                     # views of it hold references: drop them, so the block can be reused
                     for data in self._view_keys.pop(storage_id, ()):
                         self._views.pop(data, None)
                     HOST_STORAGES.release(storage)
+
+    def keep_graph(self, handle: torch.UntypedStorage, output, inputs: list, saved_bytes: int) -> None:
+        """Keep an autograd graph for a backward to come, under its handle storage, charging what
+        it saved to this session; dropped when the handle is freed (``_release``). A handle that
+        was never stored (a malformed command) dies at once; its entry is swept here later."""
+        if len(self._kept) > self._sweep_kept_above:
+            for ptr in [ptr for ptr, entry in self._kept.items() if _storage_expired(entry[0])]:
+                self._drop_graph(ptr)
+            self._sweep_kept_above = max(64, 2 * len(self._kept))
+        self.check_budget(saved_bytes)
+        ptr = handle.data_ptr()
+        self._drop_graph(ptr)
+        self._kept[ptr] = (handle._weak_ref(), output, inputs, saved_bytes)
+        self.bytes_in_use += saved_bytes
+        if self.bytes_in_use > self.peak_bytes:
+            self.peak_bytes = self.bytes_in_use
+
+    def kept_graph(self, handle: torch.Tensor):
+        """(output, inputs) of the graph kept under ``handle``, or None (freed, never kept)."""
+        entry = self._kept.get(handle.untyped_storage().data_ptr()) if handle.numel() else None
+        if entry is None or _storage_expired(entry[0]):
+            return None
+        return entry[1], entry[2]
+
+    def _drop_graph(self, ptr: int) -> None:
+        entry = self._kept.pop(ptr, None)
+        if entry is not None:
+            _free_weak_ref(entry[0])
+            self.bytes_in_use -= entry[3]
 
     def allocate(self, storage_id: int, nbytes: int, zero: bool = True) -> None:
         if storage_id >= NODE_ID_BASE and not storage_id < self._next_node_id:
@@ -392,11 +425,8 @@ class Session:
         return False
 
     def close(self) -> None:
-        for storage_id in self._graph_bytes:
-            storage = self.storages.get(storage_id)
-            if storage is not None:
-                KEPT_GRAPHS.pop(storage.data_ptr(), None)
-        self._graph_bytes.clear()
+        for ptr in list(self._kept):
+            self._drop_graph(ptr)
         self.storages.clear()
         self._live_ptrs.clear()
         self.bytes_in_use = 0
@@ -596,7 +626,14 @@ class Session:
         with rng.lock:
             if rng.owner is not self:
                 rng.acquire(self)
-            result = call(*args, **kwargs)
+            if name in SESSION_OPS:
+                CURRENT.session = self
+                try:
+                    result = call(*args, **kwargs)
+                finally:
+                    CURRENT.session = None
+            else:
+                result = call(*args, **kwargs)
         self.ops_run += 1
         if outs:
             if type(result) is _TENSOR:
@@ -650,10 +687,6 @@ class Session:
             self.peak_bytes = self.bytes_in_use
         if have:
             self._live_ptrs.add(ptr)
-            if KEPT_GRAPHS and ptr in KEPT_GRAPHS:  # an SDPA graph kept for its backward: charge what it saved
-                graph_bytes = KEPT_GRAPHS[ptr][3]
-                self._graph_bytes[storage_id] = graph_bytes
-                self.bytes_in_use += graph_bytes
         # the client names this result next by the descriptor of exactly this layout: cache the
         # result as that descriptor's view, so it need not be decoded and rebuilt (a different
         # encoding only misses; ``ext_hook`` checks storage and metadata on every hit)
