@@ -148,3 +148,18 @@ def test_attention_without_gradients_keeps_no_graph(device):
     with torch.no_grad():
         out = F.scaled_dot_product_attention(wq, q, q, dropout_p=0.5)
     assert in_use() - base == out.numel() * 4  # the output alone
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_attention_output_has_the_layout_a_local_cpu_run_gives(device, dropout_p):
+    # heads split by view + transpose, as Hugging Face models do: CPU's flash kernel returns
+    # that layout, its math path (dropout) a contiguous one; later views and copies depend on it
+    q = torch.randn(2, 16, 2, 8).transpose(1, 2)
+    remote = q.to(device)
+    for _ in range(2):  # the second call is answered from the layout cache
+        torch.manual_seed(3)
+        local = F.scaled_dot_product_attention(q, q, q, is_causal=True, dropout_p=dropout_p)
+        torch.manual_seed(3)
+        got = F.scaled_dot_product_attention(remote, remote, remote, is_causal=True, dropout_p=dropout_p)
+        assert got.stride() == local.stride()
+        assert torch.equal(got.cpu(), local)

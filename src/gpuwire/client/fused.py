@@ -27,19 +27,29 @@ def _specs_like(*tensors):
 
 
 def _sdpa_out_shape(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    """The output layout, from PyTorch's own SDPA on meta tensors (its errors for bad shapes
-    included), cached per argument layout: on meta SDPA runs its math decomposition through
-    Python references, ~2 ms a call (~20 ms with dropout, which cannot change the layout and is
-    left out)."""
+    """The output layout, from PyTorch's own SDPA on fake tensors of the node's device type (its
+    errors for bad shapes included), cached per argument layout: it runs SDPA's shape logic in
+    Python (~2 ms a call, ~20 ms with dropout). On a CPU node it is CPU's: the flash kernel
+    returns the layout of its inputs, the math path (dropout) a contiguous one; elsewhere the
+    meta device's (the node copies the result into it if its kernel chose another)."""
     key = (q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype,
            None if attn_mask is None else (attn_mask.shape, attn_mask.stride(), attn_mask.dtype),
-           is_causal, enable_gqa)
+           dropout_p > 0.0, is_causal, enable_gqa)
     spec = _SDPA_SPECS.get(key)
     if spec is None:
-        meta = [_device._to_meta(t) for t in (q, k, v, attn_mask)]
-        out = torch.nn.functional.scaled_dot_product_attention(
-            meta[0], meta[1], meta[2], attn_mask=meta[3], dropout_p=0.0, is_causal=is_causal, scale=scale,
-            enable_gqa=enable_gqa)
+        tensors = (q, k, v, attn_mask)
+        if _device._infer_as_cpu:
+            mode = _device._fake_cpu_mode()
+            fake = [_device._to_fake_cpu(t, mode) for t in tensors]
+            with mode:
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    fake[0], fake[1], fake[2], attn_mask=fake[3], dropout_p=dropout_p, is_causal=is_causal,
+                    scale=scale, enable_gqa=enable_gqa)
+        else:
+            meta = [_device._to_meta(t) for t in tensors]
+            out = torch.nn.functional.scaled_dot_product_attention(
+                meta[0], meta[1], meta[2], attn_mask=meta[3], dropout_p=0.0, is_causal=is_causal, scale=scale,
+                enable_gqa=enable_gqa)
         spec = _device.output_spec(out.shape, out.stride(), out.dtype)
         if len(_SDPA_SPECS) < 4096:
             _SDPA_SPECS[key] = spec
