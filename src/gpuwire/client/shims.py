@@ -15,6 +15,11 @@ original behaviour for everything that is not the gpuwire device, and says why i
   tensor itself.
 * ``torch.Generator(device="gpuwire")`` needs a C++ hook a Python backend cannot provide; it
   returns a generator that lives on the node (seeded, queried and passed to ops remotely).
+* ``nn.TransformerEncoder`` in eval mode with a padding mask (the default
+  ``enable_nested_tensor=True``) converts its batch to a nested tensor, which has no remote
+  form. Where a local run would take that path, the encoder runs on the dense batch with the
+  padding mask instead and zeroes the padded positions before its final norm, as the nested
+  path's ``to_padded_tensor(0.0)`` does.
 """
 
 from __future__ import annotations
@@ -185,11 +190,52 @@ class Generator(torch._C.Generator, metaclass=_GeneratorMeta):
     __doc__ = torch._C.Generator.__doc__
 
 
+class _DenseInstead(Exception):
+    """``TransformerEncoder`` reached its nested-tensor path with a gpuwire batch."""
+
+
+def _patch_transformer_encoder() -> None:
+    original_from_mask = torch._nested_tensor_from_mask
+
+    @functools.wraps(original_from_mask)
+    def nested_tensor_from_mask(t, mask, mask_check=True):
+        if on_device(t):
+            raise _DenseInstead
+        return original_from_mask(t, mask, mask_check=mask_check)
+
+    torch._nested_tensor_from_mask = nested_tensor_from_mask
+    encoder = torch.nn.TransformerEncoder
+    original_forward = encoder.forward
+
+    @functools.wraps(original_forward)
+    def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
+        try:
+            return original_forward(self, src, mask=mask, src_key_padding_mask=src_key_padding_mask,
+                                    is_causal=is_causal)
+        except _DenseInstead:
+            pass
+        norm, nested = self.norm, self.use_nested_tensor
+        self.norm, self.use_nested_tensor = None, False
+        try:
+            out = original_forward(self, src, mask=mask, src_key_padding_mask=src_key_padding_mask,
+                                   is_causal=is_causal)
+        finally:
+            self.norm, self.use_nested_tensor = norm, nested
+        padded = src_key_padding_mask if src_key_padding_mask.dtype == torch.bool else src_key_padding_mask != 0
+        if not self.layers[0].self_attn.batch_first:
+            padded = padded.transpose(0, 1)
+        out = out.masked_fill(padded.unsqueeze(-1), 0.0)
+        return norm(out) if norm is not None else out
+
+    encoder.forward = forward
+
+
 def install() -> None:
     global _installed
     if _installed:
         return
     _patch_untyped_storage()
+    _patch_transformer_encoder()
     torch.Generator = Generator
     original_pin_memory = torch.Tensor.pin_memory
 

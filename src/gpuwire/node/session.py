@@ -642,10 +642,20 @@ class Session:
                 self._adopt(result, outs[0])
                 return
             tensors = tensor_leaves(result)
+            if len(tensors) != len(outs) and type(result) in (tuple, list) and len(result) == len(outs) \
+                    and all(r is None or type(r) is _TENSOR for r in result):
+                # an output the kernel left undefined (``_native_multi_head_attention``'s weights
+                # without need_weights) that shape inference gave as an empty tensor: store that
+                tensors = list(result)
             if len(tensors) != len(outs):
                 raise SessionError(f"{name} returned {len(tensors)} tensors, the client expected {len(outs)}")
             for tensor, out in zip(tensors, outs):
-                self._adopt(tensor, out)
+                if tensor is None:
+                    if type(out) is not list or len(out) < 2 or type(out[0]) is not int or type(out[1]) is not int:
+                        raise SessionError("malformed output declaration")
+                    self.allocate(out[0], out[1])
+                else:
+                    self._adopt(tensor, out)
 
     def _adopt(self, tensor, out) -> None:
         """Store an op's result under the client-chosen storage id, in the layout the client

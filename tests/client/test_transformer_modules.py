@@ -1,0 +1,69 @@
+"""``torch.nn`` transformer modules on the gpuwire device, compared with local CPU.
+
+In eval mode PyTorch takes "fast paths" for these modules on CPU, CUDA and PrivateUse1 alike:
+fused encoder-layer and attention kernels (sent whole to the node, so bit for bit with CPU), and
+for ``TransformerEncoder`` with a padding mask a nested-tensor batch, which has no remote form:
+there the encoder runs on the dense batch and zeroes the padded positions, as the nested path
+does (equal to CPU up to float rounding, padded positions exactly as CPU's)."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+
+def _padding(batch: int, length: int, dtype=torch.bool):
+    pad = torch.zeros(batch, length, dtype=torch.bool)
+    pad[0, length - 3:] = True
+    pad[1, length - 1:] = True
+    if dtype is torch.bool:
+        return pad
+    return torch.zeros(batch, length).masked_fill(pad, float("-inf"))
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_encoder_with_padding_mask_in_eval_matches_cpu(device, batch_first, mask_dtype, with_norm):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, batch_first=batch_first)
+    encoder = nn.TransformerEncoder(layer, num_layers=2, norm=nn.LayerNorm(16) if with_norm else None).eval()
+    x = torch.randn(3, 8, 16) if batch_first else torch.randn(8, 3, 16)
+    pad = _padding(3, 8, mask_dtype)
+    with torch.no_grad():
+        local = encoder(x, src_key_padding_mask=pad)
+        remote = encoder.to(device)(x.to(device), src_key_padding_mask=pad.to(device)).cpu()
+    assert remote.shape == local.shape
+    assert torch.allclose(remote, local, atol=1e-5, rtol=1e-5), (remote - local).abs().max()
+    padded = pad if mask_dtype is torch.bool else pad != 0
+    padded = padded if batch_first else padded.t()
+    assert torch.equal(remote[padded], local[padded])  # the padded positions: exactly CPU's
+
+
+def test_encoder_in_training_and_without_padding_is_bit_for_bit(device):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, num_layers=2)
+    x = torch.randn(3, 8, 16)
+    local = encoder(x)
+    local.sum().backward()
+    grad = encoder.layers[0].linear1.weight.grad.clone()
+    encoder.zero_grad()
+    encoder = encoder.to(device)
+    remote = encoder(x.to(device))
+    remote.sum().backward()
+    assert torch.equal(remote.detach().cpu(), local.detach())
+    assert torch.equal(encoder.layers[0].linear1.weight.grad.cpu(), grad)
+    encoder.eval()
+    with torch.no_grad():
+        assert torch.equal(encoder(x.to(device)).cpu(), encoder.cpu()(x))
+
+
+def test_multihead_attention_fast_path_in_eval_matches_cpu(device):
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 2, batch_first=True).eval()
+    x = torch.randn(2, 6, 16)
+    pad = _padding(2, 6)
+    with torch.no_grad():
+        local, _ = mha(x, x, x, key_padding_mask=pad, need_weights=False)
+        remote, _ = mha.to(device)(*(x.to(device),) * 3, key_padding_mask=pad.to(device), need_weights=False)
+    assert torch.equal(remote.cpu(), local)
