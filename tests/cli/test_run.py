@@ -79,6 +79,38 @@ def test_hugging_face_fine_tuning_in_cuda_style(node, tmp_path):
     assert re.findall(r"(loss|tokens) (.*)", remote.stdout) == re.findall(r"(loss|tokens) (.*)", local.stdout)
 
 
+CHECKPOINTED_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    device = "cuda" if sys.argv[1] == "gpu" else "cpu"
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=128, n_positions=32, resid_pdrop=0.1,
+                     embd_pdrop=0.1, attn_pdrop=0.2, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg).to(device)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": sys.argv[2] == "reentrant"})
+    ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(1)).to(device)
+    torch.manual_seed(7)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grad = model.transformer.h[0].attn.c_attn.weight.grad.cpu()
+    print("loss", repr(loss.item()), "grad", repr(grad.sum().item()), repr(grad.abs().max().item()))
+""")
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
+def test_gradient_checkpointing_with_dropout_recomputes_the_same_masks(node, tmp_path, mode):
+    # activation checkpointing restores the device's random state before recomputing a segment,
+    # if the device module says it is initialized; otherwise dropout draws new masks and the
+    # gradients are silently wrong
+    script = tmp_path / "checkpointed.py"
+    script.write_text(CHECKPOINTED_SCRIPT)
+    remote = gpuwire("run", "--node", node.address, "--", sys.executable, str(script), "gpu", mode)
+    local = python(str(script), "cpu", mode)
+    assert remote.returncode == 0, remote.stderr[-3000:]
+    assert re.findall(r"loss .*", remote.stdout) == re.findall(r"loss .*", local.stdout)
+
+
 def test_nvidia_smi_inside_gpuwire_run(node):
     table = gpuwire("run", "--node", node.address, "--", "nvidia-smi")
     assert table.returncode == 0, table.stderr

@@ -163,3 +163,24 @@ def test_attention_output_has_the_layout_a_local_cpu_run_gives(device, dropout_p
         got = F.scaled_dot_product_attention(remote, remote, remote, is_causal=True, dropout_p=dropout_p)
         assert got.stride() == local.stride()
         assert torch.equal(got.cpu(), local)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing_with_dropout_trains_bit_for_bit(device, reentrant):
+    # checkpointing restores the device's random state before recomputing a segment only if
+    # ``torch.gpuwire._initialized`` says so; otherwise the recomputed dropout masks differ
+    def run(dev):
+        torch.manual_seed(0)
+        model = _gpt2_with_dropout().to(dev)
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        ids = torch.randint(1, 128, (2, 16), generator=torch.Generator().manual_seed(1)).to(dev)
+        torch.manual_seed(7)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.item(), {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
+
+    cpu_loss, cpu_grads = run("cpu")
+    loss, grads = run(device)
+    assert loss == cpu_loss
+    assert_states_equal(grads, cpu_grads)

@@ -421,6 +421,9 @@ def enable() -> None:
     GPUWIRE = torch.device(DEVICE_TYPE, 0)
     for name, fn in _cuda_functions().items():
         setattr(torch.cuda, name, fn)
+    # what ``is_initialized`` (above) says; read directly by activation checkpointing, which
+    # otherwise does not restore the device's random state before recomputing (dropout masks)
+    torch.cuda._initialized = True
     torch.cuda.graphs.CUDAGraph = _CUDAGraph
     torch.cuda.graphs.graph = _CUDAGraph
     _patch_tensor_device()

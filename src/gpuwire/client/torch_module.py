@@ -159,3 +159,15 @@ module = types.ModuleType("torch.gpuwire", __doc__)
 for _name, _value in list(globals().items()):
     if callable(_value) and not _name.startswith("__") and _name not in ("Hooks", "Guard", "contextlib", "types", "torch"):
         setattr(module, _name, _value)
+
+
+def _module_attribute(name: str):
+    # ``torch.cuda._initialized`` is a plain flag that PyTorch reads with getattr: activation
+    # checkpointing saves and restores a device's random state only when its module says it is
+    # initialized, so without it recomputed dropout draws new masks (wrong gradients, silently)
+    if name == "_initialized":
+        return is_initialized()
+    raise AttributeError(f"module 'torch.gpuwire' has no attribute {name!r}")
+
+
+module.__getattr__ = _module_attribute
