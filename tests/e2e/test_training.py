@@ -156,12 +156,16 @@ def _hf_model(name):
     if name == "gpt-neox":
         return GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=64, num_attention_heads=4, vocab_size=256,
                                                 hidden_dropout=0, attention_dropout=0, **small)), "lm"
+    if name == "t5":
+        from transformers import T5Config, T5ForConditionalGeneration
+        return T5ForConditionalGeneration(T5Config(vocab_size=256, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                   num_heads=4, dropout_rate=0.1, decoder_start_token_id=0)), "seq2seq"
     return ViTForImageClassification(ViTConfig(hidden_size=64, num_attention_heads=2, image_size=32, patch_size=8,
                                                num_labels=3, hidden_dropout_prob=0, attention_probs_dropout_prob=0,
                                                **small)), "image"
 
 
-@pytest.mark.parametrize("name", ["bert", "distilbert", "mistral", "qwen2", "gpt-neox", "vit"])
+@pytest.mark.parametrize("name", ["bert", "distilbert", "mistral", "qwen2", "gpt-neox", "vit", "t5"])
 def test_more_hugging_face_architectures_train_bit_for_bit(device, name):
     def run(dev):
         torch.manual_seed(0)
@@ -173,6 +177,10 @@ def test_more_hugging_face_architectures_train_bit_for_bit(device, name):
         labels = torch.tensor([0, 2]).to(dev)
         if kind == "classify":
             out = model(input_ids=ids, labels=labels)
+        elif kind == "seq2seq":  # with dropout: the node's generator, seeded just before
+            targets = torch.randint(1, 256, (2, 7), generator=data).to(dev)
+            torch.manual_seed(5)
+            out = model(input_ids=ids, labels=targets)
         elif kind == "image":
             out = model(pixel_values=torch.randn(2, 3, 32, 32, generator=data).to(dev), labels=labels)
         else:
