@@ -137,3 +137,16 @@ def test_dropout_reproducible_with_manual_seed(device):
     b = torch.nn.functional.dropout(x, 0.3).cpu()
     assert torch.equal(a, b)
     assert 200 < int((a == 0).sum()) < 400
+
+
+def test_sparse_tensors_fail_with_a_message_that_says_what_to_do(device):
+    indices, values = torch.tensor([[0, 1], [1, 0]]), torch.tensor([1.0, 2.0])
+    with pytest.raises(NotImplementedError, match="sparse tensors are not supported on the gpuwire device"):
+        torch.sparse_coo_tensor(indices, values, (2, 2)).to(device)
+    embedding = torch.nn.Embedding(10, 4, sparse=True).to(device)
+    loss = embedding(torch.tensor([1, 2]).to(device)).sum()
+    with pytest.raises(NotImplementedError, match="sparse=False"):
+        loss.backward()
+    dense = torch.nn.Embedding(10, 4).to(device)  # the way out the message gives
+    dense(torch.tensor([1, 2]).to(device)).sum().backward()
+    assert dense.weight.grad.cpu()[1:3].eq(1).all()

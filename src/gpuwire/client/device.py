@@ -1251,6 +1251,7 @@ def register() -> None:
     tracing = os.environ.get("GPUWIRE_TRACE", "") not in ("", "0")
     _library.fallback(_traced_fallback if tracing else _fallback, dispatch_key="PrivateUse1")
     _library.fallback(torch.library.fallthrough_kernel, dispatch_key="AutocastPrivateUse1")
+    _library.fallback(_sparse_refused, dispatch_key="SparsePrivateUse1")
     _conv_plan = _RenamedPlan(None, aten.convolution.default, "aten::convolution.default")
     _conv_backward_plan = _RenamedPlan(None, aten.convolution_backward.default, "aten::convolution_backward.default",
                                        _conv_backward_args)
@@ -1272,6 +1273,14 @@ def register() -> None:
     fused.register(_aten_library)
     _register_direct(_aten_library)
     _registered = True
+
+
+def _sparse_refused(op, *args, **kwargs):
+    """Sparse layouts have no remote form (a tensor on the wire is a strided view of one storage)."""
+    raise NotImplementedError(
+        f"gpuwire: sparse tensors are not supported on the gpuwire device ({op}). Keep sparse work on the CPU, "
+        "or use dense ones: nn.Embedding(..., sparse=False) / EmbeddingBag(sparse=False) and an optimizer other "
+        "than SparseAdam")
 
 
 def runtime_or_none() -> Runtime | None:
