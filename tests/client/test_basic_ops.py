@@ -150,3 +150,50 @@ def test_sparse_tensors_fail_with_a_message_that_says_what_to_do(device):
     dense = torch.nn.Embedding(10, 4).to(device)  # the way out the message gives
     dense(torch.tensor([1, 2]).to(device)).sum().backward()
     assert dense.weight.grad.cpu()[1:3].eq(1).all()
+
+
+@pytest.mark.parametrize("name, make", [
+    ("clone", lambda t, d: t.clone()),
+    ("contiguous", lambda t, d: t.contiguous()),
+    ("zeros_like", lambda t, d: torch.zeros_like(t)),
+    ("ones_like", lambda t, d: torch.ones_like(t, dtype=torch.float64)),
+    ("full_like", lambda t, d: torch.full_like(t, 7.5)),
+    ("new_zeros", lambda t, d: t.new_zeros(3, 2)),
+    ("new_ones", lambda t, d: t.new_ones((3, 2), dtype=torch.int32)),
+    ("zeros", lambda t, d: torch.zeros(5, 3, device=d)),
+    ("ones", lambda t, d: torch.ones(5, dtype=torch.int64, device=d)),
+])
+def test_small_fills_and_copies_are_one_message_with_no_allocation(device, name, make):
+    # PyTorch decomposes these into ``empty`` + a fill or copy on a PrivateUse1 device: two
+    # messages (an Alloc and the op); sent whole they are one
+    host = torch.randn(4, 6).t()  # a transposed layout: clone keeps it, contiguous does not
+    remote = host.to(device)
+    rt = gpuwire.client.device.current_runtime()
+    allocate = rt.allocate
+    allocations = []
+    rt.allocate = lambda nbytes: allocations.append(nbytes) or allocate(nbytes)
+    try:
+        gpuwire.synchronize()
+        before = rt.ops_sent
+        got = make(remote, device)
+        sent = rt.ops_sent - before
+    finally:
+        del rt.allocate
+    expected = make(host, "cpu")
+    assert (sent, allocations) == (1, [])
+    assert got.stride() == expected.stride() and got.dtype == expected.dtype
+    assert torch.equal(got.cpu(), expected)
+
+
+def test_large_fills_and_copies_keep_the_allocation_path(device):
+    # from 1 MiB the node serves an Alloc from blocks freed earlier (warm memory): kept
+    rt = gpuwire.client.device.current_runtime()
+    allocate = rt.allocate
+    allocations = []
+    rt.allocate = lambda nbytes: allocations.append(nbytes) or allocate(nbytes)
+    try:
+        big = torch.zeros(1 << 18, device=device)
+    finally:
+        del rt.allocate
+    assert allocations == [1 << 20]
+    assert torch.equal(big.cpu(), torch.zeros(1 << 18))

@@ -163,6 +163,7 @@ def _kernels_that_decompose_only_here() -> list[str]:
 
 def register(aten_library: torch.library.Library) -> None:
     aten_library.impl("scaled_dot_product_attention", _sdpa, "AutogradPrivateUse1")
+    _register_small_composites(aten_library)
     aten_library.impl("dropout", _dropout, "AutogradPrivateUse1")
     from . import recompute
     recompute.register(aten_library)
@@ -171,6 +172,53 @@ def register(aten_library: torch.library.Library) -> None:
         packet, _, overload = name.partition(".")
         op = getattr(getattr(torch.ops.aten, packet), overload or "default")
         aten_library.impl(name, _whole(op), "PrivateUse1")
+
+
+# Composites that reach a PrivateUse1 backend as ``empty`` + a fill or copy: two messages, an
+# Alloc and the op. Sent whole they are one, and the node's own kernel makes the result. Only
+# below the size from which the CPU backend's node reuses freed blocks for an Alloc
+# (``_memory``: 1 MiB): above it the Alloc lands in a warm block, where a fresh kernel output
+# would be faulted in page by page.
+WHOLE_BELOW = 1 << 20
+_SMALL_COMPOSITES = {
+    # op -> how to find the result's element count and dtype from (args, kwargs)
+    "clone": lambda a, k: (a[0].numel(), a[0].dtype),
+    "zeros_like": lambda a, k: (a[0].numel(), k.get("dtype") or a[0].dtype),
+    "ones_like": lambda a, k: (a[0].numel(), k.get("dtype") or a[0].dtype),
+    "full_like": lambda a, k: (a[0].numel(), k.get("dtype") or a[0].dtype),
+    "new_zeros": lambda a, k: (_count(a[1]), k.get("dtype") or a[0].dtype),
+    "new_ones": lambda a, k: (_count(a[1]), k.get("dtype") or a[0].dtype),
+    "zeros": lambda a, k: (_count(a[0]), k.get("dtype") or torch.get_default_dtype()),
+    "ones": lambda a, k: (_count(a[0]), k.get("dtype") or torch.get_default_dtype()),
+}
+
+
+def _count(sizes) -> int:
+    n = 1
+    for size in sizes:
+        n *= int(size)
+    return n
+
+
+def _whole_when_small(op, composite, result_size):
+    def kernel(keyset, *args, **kwargs):
+        try:
+            numel, dtype = result_size(args, kwargs)
+            small = numel * dtype.itemsize < WHOLE_BELOW
+        except Exception:  # noqa: BLE001 - odd arguments: PyTorch's own path raises its own error
+            small = False
+        if small:
+            return _device._fallback(op, *args, **kwargs)
+        return composite.call_boxed(keyset, *args, **kwargs)
+    return kernel
+
+
+def _register_small_composites(aten_library: torch.library.Library) -> None:
+    for name, result_size in _SMALL_COMPOSITES.items():
+        op = getattr(torch.ops.aten, name).default
+        composite = torch._C._dispatch_get_computed_kernel_for_dispatch_key(
+            f"aten::{name}", torch._C.DispatchKey.PrivateUse1)
+        aten_library.impl(name, _whole_when_small(op, composite, result_size), "PrivateUse1", with_keyset=True)
 
 
 def _whole(op):
