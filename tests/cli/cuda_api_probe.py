@@ -148,4 +148,61 @@ check("nn.DataParallel", lambda: torch.nn.DataParallel(torch.nn.Linear(4, 4)).cu
 check("torch.cuda.graphs", lambda: torch.cuda.CUDAGraph())
 check("torch.compile", lambda: torch.compile(torch.nn.Linear(2, 2).cuda())(torch.ones(1, 2, device="cuda")).shape[1])
 check("nccl", lambda: torch.distributed.init_process_group("nccl"))
+
+
+def accelerator():
+    x = torch.ones(3, device=torch.accelerator.current_accelerator()) * 2
+    torch.accelerator.synchronize()
+    return [torch.accelerator.is_available(), torch.accelerator.device_count() == 1, x.sum().item() == 6.0]
+
+
+check("torch.accelerator", accelerator)
+
+
+def nvtx():
+    torch.cuda.nvtx.range_push("step")
+    with torch.cuda.nvtx.range("inner"):
+        torch.cuda.nvtx.mark("here")
+    torch.cuda.nvtx.range_pop()
+    return True
+
+
+check("torch.cuda.nvtx", nvtx)
+
+
+def generator():
+    first = torch.randn(4, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+    again = torch.randn(4, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+    other = torch.randn(4, device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
+    return [torch.equal(first.cpu(), again.cpu()), not torch.equal(first.cpu(), other.cpu())]
+
+
+check("Generator(device='cuda')", generator)
+
+
+def legacy_types():
+    x = torch.cuda.FloatTensor([1.5, 2.5])
+    empty = torch.cuda.LongTensor(2, 3)
+    cast = torch.ones(2).type(torch.cuda.DoubleTensor)
+    by_name = torch.ones(2).type("torch.cuda.HalfTensor")
+    return [str(x.device) == "cuda:0", x.tolist() == [1.5, 2.5], isinstance(x, torch.cuda.FloatTensor),
+            not isinstance(x, torch.cuda.LongTensor), x.type() == "torch.cuda.FloatTensor",
+            empty.shape == (2, 3) and empty.dtype == torch.int64, cast.dtype == torch.float64 and cast.is_cuda,
+            by_name.dtype == torch.float16 and by_name.is_cuda]
+
+
+check("torch.cuda.FloatTensor and friends", legacy_types)
+
+
+def memory_fraction():
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(0.5)
+    try:
+        torch.empty(int(total * 0.6) // 4, device="cuda")
+    except torch.OutOfMemoryError as exc:
+        return "memory budget" in str(exc)
+    return False
+
+
+check("set_per_process_memory_fraction", memory_fraction)
 print("RESULTS " + json.dumps(results))

@@ -261,7 +261,77 @@ def _cuda_functions() -> dict:
         "CUDAGraph": _CUDAGraph,
         "graph": _CUDAGraph,
         "make_graphed_callables": _unsupported("torch.cuda.make_graphed_callables", "call the modules directly"),
+        "set_per_process_memory_fraction": _set_memory_fraction,
     }
+
+
+def _set_memory_fraction(fraction: float, device=None) -> None:
+    """A cap on this process's share of the device: the session's budget, checked at the user's
+    line as an allocation past it is (``Runtime.reserve``)."""
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+    rt = _device.runtime()
+    cap = int(fraction * int(_remote_info().get("total_memory", 0)))
+    rt.memory_budget = cap if rt.memory_budget is None else min(rt.memory_budget, cap)
+
+
+# the legacy typed-tensor classes, ``torch.cuda.FloatTensor(2, 3)`` and friends (older scripts)
+_LEGACY_TYPES = {"FloatTensor": torch.float32, "DoubleTensor": torch.float64, "HalfTensor": torch.float16,
+                 "BFloat16Tensor": torch.bfloat16, "LongTensor": torch.int64, "IntTensor": torch.int32,
+                 "ShortTensor": torch.int16, "CharTensor": torch.int8, "ByteTensor": torch.uint8,
+                 "BoolTensor": torch.bool}
+
+
+class _LegacyTypeMeta(type):
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, torch.Tensor) and on_device(obj) and obj.dtype == cls.dtype
+
+    def __call__(cls, *args, device=None):
+        dtype = cls.dtype
+        if len(args) == 1 and isinstance(args[0], torch.Tensor):
+            return args[0].to(device=GPUWIRE, dtype=dtype)
+        if len(args) == 1 and not isinstance(args[0], int) and not isinstance(args[0], torch.Size):
+            return torch.tensor(args[0], dtype=dtype, device=GPUWIRE)  # data: a list, a tuple, a number array
+        return torch.empty(*args, dtype=dtype, device=GPUWIRE)
+
+    def __repr__(cls) -> str:
+        return f"<class 'torch.cuda.{cls.__name__}'>"
+
+
+def _patch_legacy_types() -> None:
+    by_dtype = {}
+    for name, dtype in _LEGACY_TYPES.items():
+        legacy = _LegacyTypeMeta(name, (), {"dtype": dtype, "is_cuda": True, "__module__": "torch.cuda"})
+        setattr(torch.cuda, name, legacy)
+        by_dtype[dtype] = name
+    original_type = torch.Tensor.type
+
+    @functools.wraps(original_type)
+    def tensor_type(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None:
+            if on_device(self) and self.dtype in by_dtype:
+                return f"torch.cuda.{by_dtype[self.dtype]}"
+            return original_type(self, dtype, non_blocking, **kwargs)
+        if isinstance(dtype, str) and dtype.startswith("torch.cuda."):
+            dtype = getattr(torch.cuda, dtype[len("torch.cuda."):], dtype)
+        if isinstance(dtype, _LegacyTypeMeta):
+            return self.to(device=GPUWIRE, dtype=dtype.dtype, non_blocking=non_blocking)
+        return original_type(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = tensor_type
+
+
+def _patch_nvtx() -> None:
+    """NVTX ranges annotate a local CUDA profile; there is none here, so they do nothing."""
+    nvtx = torch.cuda.nvtx
+    for name in ("range_push", "range_pop", "range_start", "range_end", "mark"):
+        setattr(nvtx, name, lambda *args, **kwargs: 0)
+
+    @contextlib.contextmanager
+    def nvtx_range(*args, **kwargs):
+        yield
+
+    nvtx.range = nvtx_range
 
 
 def _patch_autocast() -> None:
@@ -427,6 +497,8 @@ def enable() -> None:
     torch.cuda.graphs.CUDAGraph = _CUDAGraph
     torch.cuda.graphs.graph = _CUDAGraph
     _patch_tensor_device()
+    _patch_legacy_types()
+    _patch_nvtx()
     _patch_autocast()
     _patch_serialization()
     _patch_default_device()

@@ -181,9 +181,19 @@ class _GeneratorMeta(type(torch._C.Generator)):
         return issubclass(sub, torch._C.Generator)
 
     def __call__(cls, device="cpu"):
-        if device is not None and torch.device(device).type == DEVICE_TYPE:
-            return RemoteGenerator(device)
+        if device is not None and _is_gpuwire(torch.device(device)):
+            return RemoteGenerator(DEVICE_TYPE)
         return torch._C.Generator(device)
+
+
+def _is_gpuwire(device: torch.device) -> bool:
+    """The gpuwire device, or "cuda" where CUDA compatibility makes it mean that."""
+    if device.type == DEVICE_TYPE:
+        return True
+    if device.type == "cuda":
+        from . import cuda_compat
+        return cuda_compat.enabled()
+    return False
 
 
 class Generator(torch._C.Generator, metaclass=_GeneratorMeta):
@@ -230,12 +240,32 @@ def _patch_transformer_encoder() -> None:
     encoder.forward = forward
 
 
+def _patch_accelerator() -> None:
+    """``torch.accelerator.synchronize()`` asks the C++ device guard, which a Python backend
+    cannot give; the gpuwire device waits for its node instead."""
+    original = torch.accelerator.synchronize
+
+    @functools.wraps(original)
+    def synchronize(device=None):
+        accelerator = torch.accelerator.current_accelerator()
+        if accelerator is not None and accelerator.type == DEVICE_TYPE:
+            from . import device as _device
+            rt = _device.current_runtime()
+            if rt is not None:
+                rt.synchronize()
+            return None
+        return original(device)
+
+    torch.accelerator.synchronize = synchronize
+
+
 def install() -> None:
     global _installed
     if _installed:
         return
     _patch_untyped_storage()
     _patch_transformer_encoder()
+    _patch_accelerator()
     torch.Generator = Generator
     original_pin_memory = torch.Tensor.pin_memory
 
