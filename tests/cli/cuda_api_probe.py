@@ -147,7 +147,6 @@ check("torch.save/torch.load(map_location='cuda')", checkpoint)
 check("nn.DataParallel", lambda: torch.nn.DataParallel(torch.nn.Linear(4, 4)).cuda()(torch.randn(2, 4)).shape[0])
 check("torch.cuda.graphs", lambda: torch.cuda.CUDAGraph())
 check("torch.compile", lambda: torch.compile(torch.nn.Linear(2, 2).cuda())(torch.ones(1, 2, device="cuda")).shape[1])
-check("nccl", lambda: torch.distributed.init_process_group("nccl"))
 
 
 def accelerator():

@@ -48,8 +48,3 @@ def test_reported_values(results):
 def test_cuda_graphs_fail_with_a_clear_message(results):
     assert not results["torch.cuda.graphs"]["ok"]
     assert "not supported by gpuwire" in results["torch.cuda.graphs"]["error"]
-
-
-def test_nccl_fails_with_a_clear_message(results):
-    assert not results["nccl"]["ok"]
-    assert "not supported by gpuwire" in results["nccl"]["error"] and "gloo" in results["nccl"]["error"]

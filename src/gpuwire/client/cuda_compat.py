@@ -445,22 +445,13 @@ def _note_compile() -> None:
 
 
 def _patch_distributed() -> None:
-    """NCCL needs GPUs on this machine: say so instead of failing deep inside torch."""
+    """NCCL needs GPUs on this machine: ``init_process_group("nccl")`` gets gloo for host tensors
+    and host-staged collectives for gpuwire ones (``client.distributed``), so torchrun-style
+    scripts run as they are."""
     import torch.distributed as dist
     if not dist.is_available():
         return
-    original = dist.init_process_group
     dist.is_nccl_available = lambda: False
-
-    @functools.wraps(original)
-    def init_process_group(backend=None, *args, **kwargs):
-        if backend is not None and "nccl" in str(backend):
-            raise NotSupportedByGpuwire(
-                "torch.distributed with the NCCL backend is not supported by gpuwire (NCCL needs GPUs on this "
-                "machine); use backend='gloo', or run one process per gpuwire session")
-        return original(backend, *args, **kwargs)
-
-    dist.init_process_group = init_process_group
 
 
 def _patch_data_parallel() -> None:

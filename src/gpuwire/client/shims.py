@@ -266,6 +266,8 @@ def install() -> None:
     _patch_untyped_storage()
     _patch_transformer_encoder()
     _patch_accelerator()
+    from . import distributed
+    distributed.install()
     torch.Generator = Generator
     original_pin_memory = torch.Tensor.pin_memory
 

@@ -1,0 +1,143 @@
+"""``torch.distributed`` collectives on gpuwire tensors, staged through the host.
+
+Sits beside ``client.cuda_compat``. Collective libraries (gloo, NCCL) read device memory
+directly, and a gpuwire tensor's memory is on a node: neither can take one. This backend
+("gpuwire", registered for the gpuwire device type) copies each tensor to the host, runs the
+same collective on a gloo group of the same ranks, and copies the result back. With it
+``DistributedDataParallel``, ``all_reduce``, ``broadcast``, ``all_gather`` … work on gpuwire
+tensors with gloo's semantics. ``init_process_group("gloo")`` (and, under ``gpuwire run``,
+``"nccl"``, which needs GPUs on this machine) adds it for the gpuwire device.
+
+What crosses it: tensors in and out of the program's collectives; the staging copies are
+ordinary device↔host transfers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import (
+    AllgatherOptions,
+    AllreduceOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    GatherOptions,
+    ReduceOptions,
+    ScatterOptions,
+    _create_work_from_future,
+)
+from torch.futures import Future
+
+from .wire import DEVICE_TYPE
+
+BACKEND = "gpuwire"
+
+
+def _done(result):
+    future = Future()
+    future.set_result(result)
+    return _create_work_from_future(future)
+
+
+def _host(tensors):
+    return [t.detach().to("cpu", copy=True) for t in tensors]
+
+
+def _back(tensors, host) -> None:
+    with torch.no_grad():
+        for t, h in zip(tensors, host):
+            t.copy_(h)
+
+
+class HostStagedGroup(dist.ProcessGroup):
+    """A process group for gpuwire tensors: each collective runs on host copies through gloo."""
+
+    def __init__(self, store, rank: int, size: int, timeout):
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gpuwire-host-staged/", store), rank, size, timeout)
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def _run(self, tensors, collective):
+        host = _host(tensors)
+        collective(host).wait()
+        _back(tensors, host)
+        return _done(tensors)
+
+    def allreduce(self, tensor_list, opts=AllreduceOptions()):
+        return self._run(tensor_list, lambda host: self._gloo.allreduce(host, opts))
+
+    def broadcast(self, tensor_list, opts=BroadcastOptions()):
+        return self._run(tensor_list, lambda host: self._gloo.broadcast(host, opts))
+
+    def reduce(self, tensor_list, opts=ReduceOptions()):
+        return self._run(tensor_list, lambda host: self._gloo.reduce(host, opts))
+
+    def barrier(self, opts=BarrierOptions()):
+        self._gloo.barrier(opts).wait()
+        return _done(None)
+
+    def allgather(self, output_tensors, input_tensors, opts=AllgatherOptions()):
+        host_in = _host(input_tensors)
+        host_out = [_host(outputs) for outputs in output_tensors]
+        self._gloo.allgather(host_out, host_in, opts).wait()
+        for outputs, host in zip(output_tensors, host_out):
+            _back(outputs, host)
+        return _done(output_tensors)
+
+    def gather(self, output_tensors, input_tensors, opts=GatherOptions()):
+        host_in = _host(input_tensors)
+        host_out = [_host(outputs) for outputs in output_tensors]
+        self._gloo.gather(host_out, host_in, opts).wait()
+        for outputs, host in zip(output_tensors, host_out):
+            _back(outputs, host)
+        return _done(output_tensors)
+
+    def scatter(self, output_tensors, input_tensors, opts=ScatterOptions()):
+        host_out = _host(output_tensors)
+        host_in = [_host(inputs) for inputs in input_tensors]
+        self._gloo.scatter(host_out, host_in, opts).wait()
+        _back(output_tensors, host_out)
+        return _done(output_tensors)
+
+
+def _create(store, rank: int, size: int, timeout):
+    return HostStagedGroup(store, rank, size, timeout)
+
+
+def with_gpuwire(backend):
+    """The backend string ``init_process_group`` gets: the program's, plus this one for the
+    gpuwire device (gloo for the host). NCCL needs GPUs here, so it becomes gloo."""
+    name = "gloo" if backend is None else str(backend)
+    if ":" in name or name.lower() not in ("gloo", "nccl", "cpu:gloo"):
+        return backend  # an explicit device map or another backend: the program knows what it wants
+    return f"cpu:gloo,cuda:gloo,{DEVICE_TYPE}:{BACKEND}"
+
+
+_installed = False
+
+
+def install() -> None:
+    """Register the backend, and let ``init_process_group`` add it (idempotent)."""
+    global _installed
+    if _installed or not dist.is_available():
+        return
+    dist.Backend.register_backend(BACKEND, _create, devices=[DEVICE_TYPE])
+    original = dist.init_process_group
+
+    @functools.wraps(original)
+    def init_process_group(backend=None, *args, **kwargs):
+        return original(with_gpuwire(backend), *args, **kwargs)
+
+    dist.init_process_group = init_process_group
+    _installed = True

@@ -1,0 +1,99 @@
+"""``torch.distributed`` on gpuwire tensors: DistributedDataParallel and collectives, in real
+rank processes, compared with the same ranks on local CPU with gloo.
+
+Collective libraries read device memory directly, so gpuwire stages each collective through
+the host (``client.distributed``); ``init_process_group("nccl")`` under ``gpuwire run`` (NCCL
+needs local GPUs) and ``"gloo"`` natively both get it for gpuwire tensors."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SCRIPT = textwrap.dedent("""
+    import os, sys, torch, torch.nn as nn, torch.distributed as dist
+    rank, world, port, device, backend = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    if device == "gpuwire":
+        import gpuwire
+        gpuwire.attach(sys.argv[6])
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = port
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)).to(device)
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=None if device == "cpu" else [0])
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(100 + rank)
+    for _ in range(3):
+        loss = ddp(torch.randn(8, 6, generator=data).to(device)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    total = torch.tensor([float(rank + 1)]).to(device)
+    dist.all_reduce(total)
+    gathered = [torch.zeros(2).to(device) for _ in range(world)]
+    dist.all_gather(gathered, torch.full((2,), float(rank)).to(device))
+    sent = torch.tensor([float(rank)]).to(device)
+    dist.broadcast(sent, src=world - 1)
+    dist.barrier()
+    reduced = torch.tensor([float(rank + 1)]).to(device)
+    dist.reduce(reduced, dst=0)
+    collected = [torch.zeros(1).to(device) for _ in range(world)] if rank == 0 else None
+    dist.gather(torch.tensor([float(rank * 10)]).to(device), collected, dst=0)
+    piece = torch.zeros(1).to(device)
+    dist.scatter(piece, [torch.tensor([float(i + 5)]).to(device) for i in range(world)] if rank == 0 else None, src=0)
+    extra = [reduced.item() if rank == 0 else None, [c.item() for c in collected] if collected else None, piece.item()]
+    weights = torch.cat([p.detach().cpu().flatten() for p in model.parameters()])
+    print("RESULT", rank, weights.tolist(), total.item(), [g.cpu().tolist() for g in gathered], sent.item(), extra, flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world: int, command) -> list[str]:
+    port = str(free_port())
+    procs = [subprocess.Popen(command(rank, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+             for rank in range(world)]
+    lines = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=180)
+            assert proc.returncode == 0, err[-3000:]
+            lines.extend(line for line in out.splitlines() if line.startswith("RESULT"))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return sorted(lines)
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "ddp.py"
+    path.write_text(SCRIPT)
+    return str(path)
+
+
+def test_two_rank_ddp_with_nccl_under_gpuwire_run_matches_cpu_gloo(node, script):
+    remote = run_ranks(2, lambda rank, port: [sys.executable, "-m", "gpuwire", "run", "--node", node.address, "-q",
+                                              "--", sys.executable, script, str(rank), "2", port, "cuda", "nccl"])
+    local = run_ranks(2, lambda rank, port: [sys.executable, script, str(rank), "2", port, "cpu", "gloo"])
+    assert len(remote) == 2 and remote == local
+
+
+def test_single_rank_ddp_with_gloo_on_the_gpuwire_device(node, script):
+    remote = run_ranks(1, lambda rank, port: [sys.executable, script, "0", "1", port, "gpuwire", "gloo",
+                                              node.address])
+    local = run_ranks(1, lambda rank, port: [sys.executable, script, "0", "1", port, "cpu", "gloo"])
+    assert len(remote) == 1 and remote == local
