@@ -97,3 +97,14 @@ def test_single_rank_ddp_with_gloo_on_the_gpuwire_device(node, script):
                                               node.address])
     local = run_ranks(1, lambda rank, port: [sys.executable, script, "0", "1", port, "cpu", "gloo"])
     assert len(remote) == 1 and remote == local
+
+
+def test_processes_that_do_not_use_gpuwire_keep_torch_defaults(monkeypatch):
+    # the backend autoload imports gpuwire everywhere: a program on real GPUs must keep NCCL
+    from gpuwire.client import distributed
+    monkeypatch.setattr(distributed, "_gpuwire_in_use", lambda: False)
+    assert [distributed.with_gpuwire(b) for b in (None, "gloo", "nccl")] == [None, "gloo", "nccl"]
+    monkeypatch.setattr(distributed, "_gpuwire_in_use", lambda: True)
+    staged = "cpu:gloo,cuda:gloo,gpuwire:gpuwire"
+    assert [distributed.with_gpuwire(b) for b in (None, "gloo", "nccl")] == [staged] * 3
+    assert distributed.with_gpuwire("cpu:gloo,cuda:nccl") == "cpu:gloo,cuda:nccl"  # an explicit map is kept

@@ -115,12 +115,23 @@ def _create(store, rank: int, size: int, timeout):
     return HostStagedGroup(store, rank, size, timeout)
 
 
+def _gpuwire_in_use() -> bool:
+    """This process uses the gpuwire device: under ``gpuwire run``, attached, or pointed at a
+    node. Any other process that imports gpuwire (the backend autoload) keeps torch's defaults,
+    real NCCL on real GPUs included."""
+    import os
+
+    from . import cuda_compat
+    from .device import current_runtime
+    return cuda_compat.enabled() or current_runtime() is not None or bool(os.environ.get("GPUWIRE_NODE"))
+
+
 def with_gpuwire(backend):
     """The backend string ``init_process_group`` gets: the program's, plus this one for the
     gpuwire device (gloo for the host). NCCL needs GPUs here, so it becomes gloo."""
     name = "gloo" if backend is None else str(backend)
-    if ":" in name or name.lower() not in ("gloo", "nccl", "cpu:gloo"):
-        return backend  # an explicit device map or another backend: the program knows what it wants
+    if ":" in name or name.lower() not in ("gloo", "nccl") or not _gpuwire_in_use():
+        return backend  # an explicit device map, another backend, or no gpuwire: as the program says
     return f"cpu:gloo,cuda:gloo,{DEVICE_TYPE}:{BACKEND}"
 
 
