@@ -87,21 +87,22 @@ class HostStagedGroup(dist.ProcessGroup):
         self._gloo.barrier(opts).wait()
         return _done(None)
 
-    def allgather(self, output_tensors, input_tensors, opts=AllgatherOptions()):
+    def _run_into_lists(self, output_tensors, input_tensors, collective):
+        """A collective whose outputs are lists of tensors (one per rank): all_gather, gather."""
         host_in = _host(input_tensors)
         host_out = [_host(outputs) for outputs in output_tensors]
-        self._gloo.allgather(host_out, host_in, opts).wait()
+        collective(host_out, host_in).wait()
         for outputs, host in zip(output_tensors, host_out):
             _back(outputs, host)
         return _done(output_tensors)
 
+    def allgather(self, output_tensors, input_tensors, opts=AllgatherOptions()):
+        return self._run_into_lists(output_tensors, input_tensors,
+                                    lambda out, in_: self._gloo.allgather(out, in_, opts))
+
     def gather(self, output_tensors, input_tensors, opts=GatherOptions()):
-        host_in = _host(input_tensors)
-        host_out = [_host(outputs) for outputs in output_tensors]
-        self._gloo.gather(host_out, host_in, opts).wait()
-        for outputs, host in zip(output_tensors, host_out):
-            _back(outputs, host)
-        return _done(output_tensors)
+        return self._run_into_lists(output_tensors, input_tensors,
+                                    lambda out, in_: self._gloo.gather(out, in_, opts))
 
     def scatter(self, output_tensors, input_tensors, opts=ScatterOptions()):
         host_out = _host(output_tensors)
