@@ -48,6 +48,11 @@ SCRIPT = textwrap.dedent("""
     piece = torch.zeros(1).to(device)
     dist.scatter(piece, [torch.tensor([float(i + 5)]).to(device) for i in range(world)] if rank == 0 else None, src=0)
     extra = [reduced.item() if rank == 0 else None, [c.item() for c in collected] if collected else None, piece.item()]
+    whole = torch.zeros(2 * world).to(device)
+    dist.all_gather_into_tensor(whole, torch.full((2,), float(rank)).to(device))
+    part = torch.zeros(2).to(device)
+    dist.reduce_scatter_tensor(part, torch.arange(2.0 * world).add(rank).to(device))
+    extra += [whole.cpu().tolist(), part.cpu().tolist()]
     weights = torch.cat([p.detach().cpu().flatten() for p in model.parameters()])
     print("RESULT", rank, weights.tolist(), total.item(), [g.cpu().tolist() for g in gathered], sent.item(), extra, flush=True)
     dist.destroy_process_group()

@@ -30,7 +30,7 @@ from torch._C._distributed_c10d import (
 )
 from torch.futures import Future
 
-from .wire import DEVICE_TYPE
+from .wire import DEVICE_TYPE, on_device
 
 BACKEND = "gpuwire"
 
@@ -136,6 +136,31 @@ def with_gpuwire(backend):
     return f"cpu:gloo,cuda:gloo,{DEVICE_TYPE}:{BACKEND}"
 
 
+def _staged_all_gather_into_tensor(original):
+    @functools.wraps(original)
+    def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+        if not on_device(output_tensor):
+            return original(output_tensor, input_tensor, group=group, async_op=async_op)
+        host_out = output_tensor.detach().to("cpu", copy=True)
+        dist.all_gather(list(host_out.chunk(dist.get_world_size(group))), input_tensor.detach().cpu(), group=group)
+        _back([output_tensor], [host_out])
+        return _done(output_tensor) if async_op else None
+    return all_gather_into_tensor
+
+
+def _staged_reduce_scatter_tensor(original):
+    @functools.wraps(original)
+    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if not on_device(output):
+            return original(output, input, op=op, group=group, async_op=async_op)
+        # gloo has no reduce_scatter: reduce everything, keep this rank's part
+        host = input.detach().to("cpu", copy=True)
+        dist.all_reduce(host, op=op, group=group)
+        _back([output], [host.chunk(dist.get_world_size(group))[dist.get_rank(group)].reshape(output.shape)])
+        return _done(output) if async_op else None
+    return reduce_scatter_tensor
+
+
 _installed = False
 
 
@@ -152,4 +177,8 @@ def install() -> None:
         return original(with_gpuwire(backend), *args, **kwargs)
 
     dist.init_process_group = init_process_group
+    # the single-tensor collectives reach the backend another way, which finds none for the
+    # gpuwire device: stage them here, through the host group
+    dist.all_gather_into_tensor = _staged_all_gather_into_tensor(dist.all_gather_into_tensor)
+    dist.reduce_scatter_tensor = _staged_reduce_scatter_tensor(dist.reduce_scatter_tensor)
     _installed = True
