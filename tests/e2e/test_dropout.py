@@ -2,9 +2,9 @@
 
 Dropout draws from the node's generator, which ``torch.manual_seed`` seeds as it seeds the
 local one; seeded right before training, a remote run draws the same masks as a local run.
-Attention dropout travels as one op (``gpuwire::sdpa_with_rng``) whose backward recomputes
-the forward from the generator state it started at; ``nn.Dropout`` as one op
-(``gpuwire::dropout``)."""
+Attention dropout travels as one op each way (``gpuwire::sdpa_keep``: the node keeps the
+graph for the backward, or recomputes the forward from the generator state it started at);
+``nn.Dropout`` as one op (``gpuwire::dropout``)."""
 
 import gc
 

@@ -195,32 +195,34 @@ def test_one_session_at_a_time_and_no_lost_wake_ups_under_many_threads():
     assert scheduler._running is None and not scheduler._waiting
 
 
-def _recording_waits(scheduler, outcome: dict):
-    """A thread target: wait for a turn, record whether it ran or was forgotten."""
+def _queue_behind_a_holder(*names):
+    """A scheduler whose device a "holder" session holds (its turn entered), and one thread per
+    name waiting for a turn, queued in that order; each records whether it ran or was forgotten.
+    Returns the scheduler, the holder's turn, the waiting sessions, their threads, the record."""
+    scheduler = FairScheduler()
+    turn = scheduler.turn(FakeSession("holder"))
+    turn.__enter__()
+    outcome = {}
+
     def wait_for(session):
         try:
             with scheduler.turn(session):
                 outcome[session.name] = "ran"
         except Forgotten:
             outcome[session.name] = "forgotten"
-    return wait_for
+
+    sessions, threads = [], []
+    for name in names:
+        sessions.append(FakeSession(name))
+        threads.append(threading.Thread(target=wait_for, args=(sessions[-1],), daemon=True))
+        threads[-1].start()
+        wait_until(lambda n=len(threads): waiting(scheduler) == n)
+    return scheduler, turn, sessions, threads, outcome
 
 
 @pytest.mark.timeout(30)
 def test_forget_releases_a_waiting_session_and_the_device_stays_usable():
-    scheduler = FairScheduler()
-    holder, gone, next_one = FakeSession("holder"), FakeSession("gone"), FakeSession("next")
-    turn = scheduler.turn(holder)
-    turn.__enter__()
-    outcome = {}
-    wait_for = _recording_waits(scheduler, outcome)
-
-    t_gone = threading.Thread(target=wait_for, args=(gone,), daemon=True)
-    t_gone.start()
-    wait_until(lambda: waiting(scheduler) == 1)
-    t_next = threading.Thread(target=wait_for, args=(next_one,), daemon=True)
-    t_next.start()
-    wait_until(lambda: waiting(scheduler) == 2)
+    scheduler, turn, (gone, _), (t_gone, t_next), outcome = _queue_behind_a_holder("gone", "next")
     scheduler.forget(gone)  # it was first in line
     t_gone.join(timeout=5)
     assert outcome == {"gone": "forgotten"}
@@ -234,18 +236,7 @@ def test_forget_releases_a_waiting_session_and_the_device_stays_usable():
 
 @pytest.mark.timeout(30)
 def test_forgetting_the_session_just_woken_for_a_free_device_passes_the_turn_on():
-    scheduler = FairScheduler()
-    holder, woken, behind = FakeSession("holder"), FakeSession("woken"), FakeSession("behind")
-    turn = scheduler.turn(holder)
-    turn.__enter__()
-    outcome = {}
-    wait_for = _recording_waits(scheduler, outcome)
-
-    threads = []
-    for s in (woken, behind):
-        threads.append(threading.Thread(target=wait_for, args=(s,), daemon=True))
-        threads[-1].start()
-        wait_until(lambda n=len(threads): waiting(scheduler) == n)
+    scheduler, turn, (woken, _), threads, outcome = _queue_behind_a_holder("woken", "behind")
     turn.__exit__(None, None, None)  # wakes "woken" for the free device ...
     scheduler.forget(woken)  # ... which ends before it looked (this thread still has the GIL)
     for t in threads:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import device as _device
+from . import recompute
 
 
 def _specs_like(*tensors):
@@ -57,13 +58,13 @@ def _sdpa_out_shape(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 _SDPA_SPECS: dict = {}
-_HANDLE_SPEC = None
+_HANDLE_SPEC = _device.output_spec((1,), (1,), torch.uint8)  # the 1-byte storage a kept graph is held by
+_NO_STATE_SPEC = _device.output_spec((0,), (1,), torch.uint8)  # no dropout: no generator state to keep
 
 
 class _RemoteSDPA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-        global _HANDLE_SPEC
         spec = _sdpa_out_shape(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         ctx.mask_requires_grad = attn_mask is not None and attn_mask.requires_grad and attn_mask.is_floating_point()
         args = (q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
@@ -72,9 +73,7 @@ class _RemoteSDPA(torch.autograd.Function):
             return out
         # the node keeps the graph for the backward (no recomputation); the generator state and
         # the inputs let it recompute should the graph be gone (a migration, a second backward)
-        if _HANDLE_SPEC is None:
-            _HANDLE_SPEC = _device.output_spec((1,), (1,), torch.uint8)
-        state_spec = _rng_spec() if dropout_p > 0.0 else _device.output_spec((0,), (1,), torch.uint8)
+        state_spec = recompute._rng_spec() if dropout_p > 0.0 else _NO_STATE_SPEC
         out, rng_state, handle = _device.submit_with_outputs(
             "gpuwire::sdpa_keep", (*args, ctx.mask_requires_grad), {}, [spec, state_spec, _HANDLE_SPEC])
         ctx.save_for_backward(q, k, v, attn_mask, rng_state, handle)
@@ -127,11 +126,6 @@ class _RemoteDropout(torch.autograd.Function):
 _DROPOUT_SPECS: dict = {}
 
 
-def _rng_spec():
-    from .recompute import _rng_spec as spec
-    return spec()
-
-
 def _dropout(input, p: float, train: bool):
     """``dropout`` as the node's device type runs it locally, so a seeded run draws the same
     random numbers: the CPU path is bernoulli + scale + multiply (ATen's ``_dropout_impl``),
@@ -165,7 +159,6 @@ def register(aten_library: torch.library.Library) -> None:
     aten_library.impl("scaled_dot_product_attention", _sdpa, "AutogradPrivateUse1")
     _register_small_composites(aten_library)
     aten_library.impl("dropout", _dropout, "AutogradPrivateUse1")
-    from . import recompute
     recompute.register(aten_library)
     for qualified in _kernels_that_decompose_only_here():
         name = qualified[len("aten::"):]

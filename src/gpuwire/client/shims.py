@@ -38,12 +38,18 @@ _installed = False
 
 
 
-def _crosses_gpuwire(module: torch.nn.Module, target: torch.device | None) -> bool:
-    if target is not None and target.type == "cuda":
+def _is_gpuwire(device: torch.device) -> bool:
+    """The gpuwire device, or "cuda" where CUDA compatibility makes it mean that."""
+    if device.type == DEVICE_TYPE:
+        return True
+    if device.type == "cuda":
         from . import cuda_compat
-        if cuda_compat.enabled():
-            target = torch.device(DEVICE_TYPE)
-    if target is not None and target.type == DEVICE_TYPE:
+        return cuda_compat.enabled()
+    return False
+
+
+def _crosses_gpuwire(module: torch.nn.Module, target: torch.device | None) -> bool:
+    if target is not None and _is_gpuwire(target):
         return True
     for tensor in module.parameters():
         return on_device(tensor) and (target is None or target.type != DEVICE_TYPE)
@@ -185,15 +191,6 @@ class _GeneratorMeta(type(torch._C.Generator)):
             return RemoteGenerator(DEVICE_TYPE)
         return torch._C.Generator(device)
 
-
-def _is_gpuwire(device: torch.device) -> bool:
-    """The gpuwire device, or "cuda" where CUDA compatibility makes it mean that."""
-    if device.type == DEVICE_TYPE:
-        return True
-    if device.type == "cuda":
-        from . import cuda_compat
-        return cuda_compat.enabled()
-    return False
 
 
 class Generator(torch._C.Generator, metaclass=_GeneratorMeta):

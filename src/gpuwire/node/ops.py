@@ -37,19 +37,11 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
                                           is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
-def _sdpa_with_rng(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                   enable_gqa=False):
-    """SDPA with dropout; also the generator state from before it ran, which the backward
-    rewinds to so that its recomputation draws the same mask."""
-    state = _generator_for(query.device).get_state()
-    return _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa), state.to(query.device)
-
-
 def _sdpa_backward(grad_out, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                    enable_gqa=False, mask_requires_grad=False, rng_state=None):
     """Gradients of SDPA by recomputing the forward under autograd on the node (same kernels
     as a local run, so results match bit for bit); with dropout, from the generator state the
-    forward started at (``_sdpa_with_rng``), put back afterwards."""
+    forward started at (``_sdpa_keep`` returns it), put back afterwards."""
     generator = saved = None
     if dropout_p and rng_state is not None:
         generator = _generator_for(query.device)
@@ -143,7 +135,6 @@ def _dropout(input, p):
 SESSION_OPS = frozenset({"gpuwire::sdpa_keep", "gpuwire::sdpa_backward_kept"})
 GPUWIRE_OPS = {
     "gpuwire::sdpa": _sdpa,
-    "gpuwire::sdpa_with_rng": _sdpa_with_rng,
     "gpuwire::sdpa_backward": _sdpa_backward,
     "gpuwire::sdpa_keep": _sdpa_keep,
     "gpuwire::sdpa_backward_kept": _sdpa_backward_kept,

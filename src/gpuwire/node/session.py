@@ -193,18 +193,7 @@ class Session:
                     self.decode_error = exc
                 return None
             storage_id = fields[0]
-            views = self._views
-            if len(views) >= VIEW_CACHE_MAX:
-                views.clear()
-                self._view_keys.clear()
-                hit = None
-            if hit is None:
-                keys = self._view_keys.get(storage_id)
-                if keys is None:
-                    self._view_keys[storage_id] = [data]
-                else:
-                    keys.append(data)
-            views[data] = (storage_id, self.storages[storage_id], t, fields[2], fields[3], fields[1])
+            self._remember_view(data, (storage_id, self.storages[storage_id], t, fields[2], fields[3], fields[1]))
             return t
         if code == codec.EXT_DTYPE:
             if len(data) != 1:
@@ -701,18 +690,23 @@ class Session:
         # result as that descriptor's view, so it need not be decoded and rebuilt (a different
         # encoding only misses; ``ext_hook`` checks storage and metadata on every hit)
         if not tensor.requires_grad:
-            data = _pack_descriptor((storage_id, 0, sizes, strides, dtype_code, 0))
-            views = self._views
-            if len(views) >= VIEW_CACHE_MAX:
-                views.clear()
-                self._view_keys.clear()
-            if data not in views:
-                keys = self._view_keys.get(storage_id)
-                if keys is None:
-                    self._view_keys[storage_id] = [data]
-                else:
-                    keys.append(data)
-            views[data] = (storage_id, storage, tensor, sizes, strides, 0)
+            self._remember_view(_pack_descriptor((storage_id, 0, sizes, strides, dtype_code, 0)),
+                                (storage_id, storage, tensor, sizes, strides, 0))
+
+    def _remember_view(self, data: bytes, entry: tuple) -> None:
+        """Cache ``entry`` (storage id, storage, view, sizes, strides, offset) as the view of the
+        descriptor bytes ``data``, listed under its storage so that ``Free`` drops it."""
+        views = self._views
+        if len(views) >= VIEW_CACHE_MAX:
+            views.clear()
+            self._view_keys.clear()
+        if data not in views:
+            keys = self._view_keys.get(entry[0])
+            if keys is None:
+                self._view_keys[entry[0]] = [data]
+            else:
+                keys.append(data)
+        views[data] = entry
 
     def _fill_outs(self, event: Op) -> None:
         """A failed op's outputs still exist (zeroed), so later ops fail for their own reasons
