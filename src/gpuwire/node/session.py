@@ -156,6 +156,11 @@ class Session:
         self.ops_run = 0
         self._next_node_id = NODE_ID_BASE
         self._live_ptrs: set[int] = set()
+        # CPU storages made by ``Alloc`` (uploads, large fills), which go back to ``HOST_STORAGES``
+        # when freed. Kernel outputs go back to malloc instead: a kernel allocates through malloc,
+        # so a block parked in the cache would make every next output of that size fresh memory,
+        # faulted in page by page (a CNN step faulted 4x the pages a local run does).
+        self._cache_on_free: set[int] = set()
         self._empty = {}  # dtype -> empty tensor used as the base of views
         self._views: dict = {}  # descriptor bytes -> (storage id, storage, view, sizes, strides, offset)
         self._view_keys: dict = {}  # storage id -> descriptors cached in _views
@@ -324,7 +329,8 @@ class Session:
                 self._live_ptrs.discard(storage.data_ptr())
                 if self._kept and storage.data_ptr() in self._kept:
                     self._drop_graph(storage.data_ptr())
-                if nbytes >= _CACHED_FROM and storage.device.type == "cpu":
+                if storage_id in self._cache_on_free:
+                    self._cache_on_free.discard(storage_id)
                     # views of it hold references: drop them, so the block can be reused
                     for data in self._view_keys.pop(storage_id, ()):
                         self._views.pop(data, None)
@@ -375,6 +381,8 @@ class Session:
         else:
             storage = torch.empty(nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
         self._store(storage_id, storage)
+        if nbytes >= _CACHED_FROM and self.device.type == "cpu":
+            self._cache_on_free.add(storage_id)
         self._unzeroed = [storage_id, 0, nbytes]
 
     def _settle_unzeroed(self) -> None:
@@ -417,6 +425,7 @@ class Session:
         for ptr in list(self._kept):
             self._drop_graph(ptr)
         self.storages.clear()
+        self._cache_on_free.clear()
         self._live_ptrs.clear()
         self.bytes_in_use = 0
         self.rng.release(self)
