@@ -197,3 +197,32 @@ def test_large_fills_and_copies_keep_the_allocation_path(device):
         del rt.allocate
     assert allocations == [1 << 20]
     assert torch.equal(big.cpu(), torch.zeros(1 << 18))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_batch_norm_of_half_input_with_float_weights_trains_like_cpu(device, dtype):
+    """What CUDA autocast makes of Linear -> BatchNorm: a half input and float32 weights.
+    The saved statistics are float32 (as the CPU and CUDA kernels return them), and the
+    backward runs and matches CPU bit for bit."""
+    import copy
+
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(6)
+    x = (torch.randn(8, 6) * 3 + 1).to(dtype)
+    results = []
+    for dev in ("cpu", device):
+        layer = copy.deepcopy(bn).to(dev)
+        xi = x.to(dev).detach().clone().requires_grad_()
+        stats = torch.ops.aten.native_batch_norm(xi.detach(), layer.weight.detach(), layer.bias.detach(),
+                                                 layer.running_mean.clone(), layer.running_var.clone(),
+                                                 True, 0.1, 1e-5)
+        y = layer(xi)
+        torch.ops.aten.native_batch_norm_backward(  # the op autocast's backward reached, saved stats as given
+            y.detach(), xi.detach(), layer.weight.detach(), None, None, stats[1], stats[2], True, 1e-5,
+            [True, True, True])
+        (y.float() * torch.arange(6.0, device=dev)).sum().backward()
+        results.append([t.cpu() for t in (y, xi.grad, layer.weight.grad, layer.bias.grad, layer.running_mean,
+                                          stats[1], stats[2])])
+    assert [t.dtype for t in results[1][5:]] == [torch.float32, torch.float32]
+    for local, remote in zip(*results):
+        assert local.dtype == remote.dtype and torch.equal(local, remote)

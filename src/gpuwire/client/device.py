@@ -493,6 +493,10 @@ class FunctionalPlan:
             return None
         finally:
             _FAKE_LOG.setLevel(quiet)
+        fix = _CPU_KERNEL_DTYPES.get(self.name)
+        if fix is not None:
+            with mode:
+                result = fix(args, kwargs, result)
         return self._entry(result)
 
     def _entry(self, result):
@@ -875,6 +879,26 @@ def _to_meta(value):
 _FAKE_LOG = logging.getLogger("torch._subclasses.fake_tensor")
 _infer_as_cpu = False  # the node runs CPU kernels: infer output metadata on fake CPU tensors
 _fake_mode = None
+
+
+def _batch_norm_stats_in_param_dtype(args, kwargs, result):
+    """CPU batch norm with reduced-precision input and float32 weights or running stats (what
+    CUDA autocast makes of a BatchNorm after a half-precision layer) returns save_mean/invstd
+    in float32, like CUDA; the fake kernel gives the input's dtype. Stored in the wrong dtype,
+    the statistics lost precision and the backward refused them (``mixed dtype (CPU)``)."""
+    x = args[0] if args else None
+    params = [a for a in args[1:5] if isinstance(a, torch.Tensor)]
+    if (not isinstance(x, torch.Tensor) or x.dtype not in (torch.float16, torch.bfloat16) or not params
+            or params[0].dtype != torch.float32 or not isinstance(result, tuple) or len(result) < 3):
+        return result
+    return (result[0], result[1].to(torch.float32), result[2].to(torch.float32), *result[3:])
+
+
+# ops whose CPU kernel's output metadata differs from what fake CPU tensors give
+_CPU_KERNEL_DTYPES = {name: _batch_norm_stats_in_param_dtype for name in (
+    "aten::native_batch_norm", "aten::_native_batch_norm_legit", "aten::_native_batch_norm_legit.no_stats",
+    "aten::_native_batch_norm_legit_no_training", "aten::_native_batch_norm_legit_functional",
+    "aten::_batch_norm_with_update", "aten::_batch_norm_with_update_functional", "aten::_batch_norm_no_update")}
 
 
 def _fake_cpu_mode():
