@@ -199,30 +199,39 @@ def test_large_fills_and_copies_keep_the_allocation_path(device):
     assert torch.equal(big.cpu(), torch.zeros(1 << 18))
 
 
+_NORMS = {
+    # module, input shape, the aten forward that returns (output, saved statistics...)
+    "batch_norm": (lambda: torch.nn.BatchNorm1d(6), (8, 6), lambda x, m: torch.ops.aten.native_batch_norm(
+        x, m.weight, m.bias, m.running_mean.clone(), m.running_var.clone(), True, 0.1, 1e-5)),
+    "layer_norm": (lambda: torch.nn.LayerNorm(5), (4, 6, 5), lambda x, m: torch.ops.aten.native_layer_norm(
+        x, [5], m.weight, m.bias, 1e-5)),
+    "group_norm": (lambda: torch.nn.GroupNorm(2, 6), (2, 6, 3, 3), lambda x, m: torch.ops.aten.native_group_norm(
+        x, m.weight, m.bias, 2, 6, 9, 2, 1e-5)),
+}
+
+
+@pytest.mark.parametrize("norm", sorted(_NORMS))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_batch_norm_of_half_input_with_float_weights_trains_like_cpu(device, dtype):
-    """What CUDA autocast makes of Linear -> BatchNorm: a half input and float32 weights.
-    The saved statistics are float32 (as the CPU and CUDA kernels return them), and the
-    backward runs and matches CPU bit for bit."""
+def test_norms_of_half_input_with_float_weights_train_like_cpu(device, dtype, norm):
+    """A half input and float32 weights: what CUDA autocast makes of Linear -> BatchNorm, and a
+    bf16 model that keeps its norms in float32. The saved statistics are float32 (as the CPU
+    and CUDA kernels return them; stored as half they lost precision and the batch-norm
+    backward refused them), and forward and backward match CPU bit for bit."""
     import copy
 
+    make, shape, forward = _NORMS[norm]
     torch.manual_seed(0)
-    bn = torch.nn.BatchNorm1d(6)
-    x = (torch.randn(8, 6) * 3 + 1).to(dtype)
+    module = make()
+    x = (torch.randn(shape) * 3 + 1).to(dtype)
     results = []
     for dev in ("cpu", device):
-        layer = copy.deepcopy(bn).to(dev)
+        layer = copy.deepcopy(module).to(dev)
         xi = x.to(dev).detach().clone().requires_grad_()
-        stats = torch.ops.aten.native_batch_norm(xi.detach(), layer.weight.detach(), layer.bias.detach(),
-                                                 layer.running_mean.clone(), layer.running_var.clone(),
-                                                 True, 0.1, 1e-5)
         y = layer(xi)
-        torch.ops.aten.native_batch_norm_backward(  # the op autocast's backward reached, saved stats as given
-            y.detach(), xi.detach(), layer.weight.detach(), None, None, stats[1], stats[2], True, 1e-5,
-            [True, True, True])
-        (y.float() * torch.arange(6.0, device=dev)).sum().backward()
-        results.append([t.cpu() for t in (y, xi.grad, layer.weight.grad, layer.bias.grad, layer.running_mean,
-                                          stats[1], stats[2])])
-    assert [t.dtype for t in results[1][5:]] == [torch.float32, torch.float32]
+        (y.float() * torch.linspace(-1, 2, shape[-1], device=dev)).sum().backward()
+        with torch.no_grad():
+            saved = forward(xi.detach(), layer)[1:3]
+        results.append([t.cpu() for t in (y, xi.grad, layer.weight.grad, layer.bias.grad, *saved)])
+    assert [t.dtype for t in results[1][4:]] == [torch.float32, torch.float32]
     for local, remote in zip(*results):
         assert local.dtype == remote.dtype and torch.equal(local, remote)

@@ -881,24 +881,39 @@ _infer_as_cpu = False  # the node runs CPU kernels: infer output metadata on fak
 _fake_mode = None
 
 
-def _batch_norm_stats_in_param_dtype(args, kwargs, result):
-    """CPU batch norm with reduced-precision input and float32 weights or running stats (what
-    CUDA autocast makes of a BatchNorm after a half-precision layer) returns save_mean/invstd
-    in float32, like CUDA; the fake kernel gives the input's dtype. Stored in the wrong dtype,
-    the statistics lost precision and the backward refused them (``mixed dtype (CPU)``)."""
-    x = args[0] if args else None
-    params = [a for a in args[1:5] if isinstance(a, torch.Tensor)]
-    if (not isinstance(x, torch.Tensor) or x.dtype not in (torch.float16, torch.bfloat16) or not params
-            or params[0].dtype != torch.float32 or not isinstance(result, tuple) or len(result) < 3):
-        return result
-    return (result[0], result[1].to(torch.float32), result[2].to(torch.float32), *result[3:])
+def _stats_in_param_dtype(input_slot: int, param_slots: tuple, stat_outputs: tuple, grad_output: int | None = None):
+    """A fix for a norm's CPU kernel given a reduced-precision input and float32 parameters
+    (autocast's output feeding a BatchNorm, a bf16 model that keeps its norms in float32):
+    the CPU kernel returns the saved statistics in float32 (as CUDA does), the fake CPU
+    kernel the client infers with says the input's dtype. Stored as half, the statistics lost
+    precision and the backward refused them (``mixed dtype (CPU)``)."""
+    def fix(args, kwargs, result):
+        x = args[input_slot] if len(args) > input_slot else None
+        params = [args[i] for i in param_slots if i < len(args) and isinstance(args[i], torch.Tensor)]
+        if (not isinstance(x, torch.Tensor) or x.dtype not in (torch.float16, torch.bfloat16) or not params
+                or params[0].dtype != torch.float32 or not isinstance(result, tuple)):
+            return result
+        fixed = list(result)
+        for i in stat_outputs:
+            if isinstance(fixed[i], torch.Tensor):
+                fixed[i] = fixed[i].to(torch.float32)
+        if grad_output is not None and isinstance(fixed[grad_output], torch.Tensor):
+            fixed[grad_output] = fixed[grad_output].to(x.dtype)
+        return tuple(fixed)
+    return fix
 
 
 # ops whose CPU kernel's output metadata differs from what fake CPU tensors give
-_CPU_KERNEL_DTYPES = {name: _batch_norm_stats_in_param_dtype for name in (
-    "aten::native_batch_norm", "aten::_native_batch_norm_legit", "aten::_native_batch_norm_legit.no_stats",
-    "aten::_native_batch_norm_legit_no_training", "aten::_native_batch_norm_legit_functional",
-    "aten::_batch_norm_with_update", "aten::_batch_norm_with_update_functional", "aten::_batch_norm_no_update")}
+_CPU_KERNEL_DTYPES = {
+    **{name: _stats_in_param_dtype(0, (1, 2, 3, 4), (1, 2)) for name in (
+        "aten::native_batch_norm", "aten::_native_batch_norm_legit", "aten::_native_batch_norm_legit.no_stats",
+        "aten::_native_batch_norm_legit_no_training", "aten::_native_batch_norm_legit_functional",
+        "aten::_batch_norm_with_update", "aten::_batch_norm_with_update_functional", "aten::_batch_norm_no_update")},
+    "aten::native_layer_norm": _stats_in_param_dtype(0, (2, 3), (1, 2)),
+    "aten::native_group_norm": _stats_in_param_dtype(0, (1, 2), (1, 2)),
+    # (grad_out, input, mean, rstd, weight, ...): the input's gradient has the input's dtype
+    "aten::native_group_norm_backward": _stats_in_param_dtype(1, (2,), (), grad_output=0),
+}
 
 
 def _fake_cpu_mode():
