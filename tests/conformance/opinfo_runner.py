@@ -111,6 +111,7 @@ def coordinate(args) -> dict:
             cmd.append("--sampled")
         if args.max_samples is not None:
             cmd += ["--max-samples", str(args.max_samples)]
+        cmd += ["--dtype", args.dtype]
         if args.verbose:
             cmd.append("-v")
         worker = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
@@ -329,7 +330,7 @@ def worker(args) -> None:
 
     node = Node(args.backend)
     node.start()
-    ctx = Context(torch, gpuwire, node, args.timeout, max_samples, args.verbose)
+    ctx = Context(torch, gpuwire, node, args.timeout, max_samples, args.verbose, getattr(torch, args.dtype))
     with open(args.progress, "a") as progress:
         def emit(event):
             progress.write(json.dumps(event) + "\n")
@@ -353,8 +354,10 @@ def worker(args) -> None:
 
 
 class Context:
-    def __init__(self, torch, gpuwire, node: Node, timeout: float, max_samples: int | None, verbose: bool):
+    def __init__(self, torch, gpuwire, node: Node, timeout: float, max_samples: int | None, verbose: bool,
+                 dtype=None):
         self.torch = torch
+        self.dtype = dtype or torch.float32
         self.gpuwire = gpuwire
         self.node = node
         self.timeout = timeout
@@ -369,8 +372,8 @@ class Context:
         record = {"op": key, "samples": 0, "passed": 0, "passed_tol": 0, "shape_only": 0, "failed": 0,
                   "cpu_failed": 0, "no_device": 0, "timeouts": 0, "first_error": None, "seconds": 0.0}
         reason = SKIP.get(key) or SKIP.get(op.name)
-        if reason is None and torch.float32 not in op.supported_dtypes("cpu"):
-            reason = "the op does not support float32 on CPU (no float32 samples)"
+        if reason is None and self.dtype not in op.supported_dtypes("cpu"):
+            reason = f"the op does not support {self.dtype} on CPU (no such samples)"
         if reason is not None:
             record["skipped"] = reason
             return record
@@ -385,7 +388,7 @@ class Context:
             try:
                 with Deadline(self.timeout):
                     if samples is None:
-                        samples = iter(op.sample_inputs("cpu", torch.float32, requires_grad=False))
+                        samples = iter(op.sample_inputs("cpu", self.dtype, requires_grad=False))
                     sample = next(samples)
             except StopIteration:
                 break
@@ -698,6 +701,9 @@ def parse_args(argv=None):
                       help=f"the fixed CI subset ({SAMPLED_OPS} ops, {SAMPLED_MAX_SAMPLES} samples each); the default")
     mode.add_argument("--ops", help="comma-separated OpInfo names (name or name.variant)")
     parser.add_argument("--out", required=False, help="path of the JSON results")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16", "float64"),
+                        help="dtype of the samples (default float32; half precision finds where shape "
+                             "inference and the node's kernels disagree on mixed-precision outputs)")
     parser.add_argument("--max-samples", type=int, default=None, help="at most this many samples per op")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per sample (default 30)")
     parser.add_argument("--hang-timeout", type=float, default=180.0,

@@ -43,6 +43,32 @@ def test_embedding_bag_on_cpu_node(device):
         assert torch.equal(got.cpu(), expected)
 
 
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_bag_auxiliary_outputs_as_the_cpu_kernel_makes_them(device, mode, dtype):
+    """With ``include_last_offset`` the meta kernel mis-sizes ``bag_size``/``max_indices``, and
+    for bfloat16 it misses the CPU sum fast path (no ``offset2bag``): the node's kernel
+    returned outputs of another shape than the client declared. Forward, backward and the
+    forward-only path (no grad) match CPU."""
+    import copy
+
+    torch.manual_seed(0)
+    bag = torch.nn.EmbeddingBag(10, 5, mode=mode, include_last_offset=True).to(dtype)
+    indices, offsets = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 2, 5, 8])
+    results = []
+    for dev in ("cpu", device):
+        layer = copy.deepcopy(bag).to(dev)
+        out = layer(indices.to(dev), offsets.to(dev))
+        out.float().pow(2).sum().backward()
+        with torch.no_grad():
+            plain = torch.nn.EmbeddingBag(10, 5, mode=mode).to(dev, dtype)
+            plain.weight.copy_(layer.weight)
+            forward_only = plain(indices.to(dev), offsets.to(dev))
+        results.append([t.cpu() for t in (out, layer.weight.grad, forward_only)])
+    for local, remote in zip(*results):
+        assert local.dtype == remote.dtype and torch.equal(local, remote)
+
+
 def test_out_variants_with_data_dependent_or_unknown_sizes(device):
     """out= ops whose out sizes cannot be inferred (no meta kernel, data-dependent) run as
     sync ops and the client's out tensors are resized to what the kernel produced."""

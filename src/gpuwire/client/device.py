@@ -493,7 +493,7 @@ class FunctionalPlan:
             return None
         finally:
             _FAKE_LOG.setLevel(quiet)
-        fix = _CPU_KERNEL_DTYPES.get(self.name)
+        fix = _CPU_KERNEL_FIXES.get(self.name)
         if fix is not None:
             with mode:
                 result = fix(args, kwargs, result)
@@ -903,8 +903,42 @@ def _stats_in_param_dtype(input_slot: int, param_slots: tuple, stat_outputs: tup
     return fix
 
 
+def _embedding_bag_cpu_outputs(forward_only: bool):
+    """The auxiliary outputs of CPU ``_embedding_bag`` as its kernel makes them, where PyTorch's
+    meta kernel guesses otherwise: with ``include_last_offset`` the CPU kernel sizes
+    ``bag_size`` by the bags (mean, max, and sum when a backward may follow) or by the offsets
+    (sum, forward only), and gives ``max_indices`` the shape of ``bag_size`` (sum, mean); and
+    it takes the sum fast path (no ``offset2bag``) for bfloat16 weights too, which the meta
+    kernel's test knows for float and half only."""
+    return lambda args, kwargs, result: _fix_embedding_bag(args, kwargs, result, forward_only)
+
+
+def _fix_embedding_bag(args, kwargs, result, forward_only: bool):
+    def arg(i, name, default):
+        return args[i] if len(args) > i else kwargs.get(name, default)
+    weight, offsets, mode = args[0], arg(2, "offsets", None), arg(4, "mode", 0)
+    scale, include_last = arg(6, "per_sample_weights", None), bool(arg(7, "include_last_offset", False))
+    padding_idx = arg(8, "padding_idx", -1)
+    if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or weight.dim() != 2 or len(result) != 4:
+        return result
+    output, offset2bag, bag_size, max_indices = result
+    if (mode == 0 and weight.dtype == torch.bfloat16 and weight.stride(1) == 1 and output.stride(1) == 1
+            and padding_idx is not None and padding_idx < 0 and (scale is None or scale.stride(0) == 1)):
+        offset2bag = offset2bag.new_empty(0)
+    bags = offsets.size(0) - (1 if include_last else 0)
+    bag_shape = tuple(offsets.shape) if mode == 0 and forward_only else (bags,)
+    if tuple(bag_size.shape) != bag_shape:
+        bag_size = bag_size.new_empty(bag_shape)
+    max_shape = (bags, weight.size(1)) if mode == 2 else bag_shape
+    if tuple(max_indices.shape) != max_shape:
+        max_indices = max_indices.new_empty(max_shape)
+    return output, offset2bag, bag_size, max_indices
+
+
 # ops whose CPU kernel's output metadata differs from what fake CPU tensors give
-_CPU_KERNEL_DTYPES = {
+_CPU_KERNEL_FIXES = {
+    "aten::_embedding_bag": _embedding_bag_cpu_outputs(forward_only=False),
+    "aten::_embedding_bag_forward_only": _embedding_bag_cpu_outputs(forward_only=True),
     **{name: _stats_in_param_dtype(0, (1, 2, 3, 4), (1, 2)) for name in (
         "aten::native_batch_norm", "aten::_native_batch_norm_legit", "aten::_native_batch_norm_legit.no_stats",
         "aten::_native_batch_norm_legit_no_training", "aten::_native_batch_norm_legit_functional",
