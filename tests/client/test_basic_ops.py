@@ -235,3 +235,31 @@ def test_norms_of_half_input_with_float_weights_train_like_cpu(device, dtype, no
     assert [t.dtype for t in results[1][4:]] == [torch.float32, torch.float32]
     for local, remote in zip(*results):
         assert local.dtype == remote.dtype and torch.equal(local, remote)
+
+
+def test_large_downloads_recycle_warm_blocks_but_never_alias_a_live_tensor(device):
+    """``y.cpu()`` of >= 8 MiB lands in a block freed by an earlier download of that size (no
+    page faults); a block is reused only once nothing refers to its tensor."""
+    from gpuwire.client.device import DOWNLOADS
+
+    x = torch.randn(3 << 20)  # 12 MiB
+    y = x.to(device)
+    DOWNLOADS.cache.clear()
+    hits = DOWNLOADS.cache.hits
+    first = y.cpu()
+    second = (y * 2).cpu()  # the first is alive: a block of its own
+    assert first.data_ptr() != second.data_ptr()
+    assert torch.equal(first, x) and torch.equal(second, x * 2)
+    viewed = first.numpy()  # a NumPy view keeps the block alive too
+    address = first.data_ptr()
+    del first
+    third = (y + 1).cpu()
+    assert third.data_ptr() != address and float(viewed[0]) == float(x[0])
+    assert DOWNLOADS.cache.hits == hits  # nothing was free to reuse
+    del viewed, third
+    fourth = (y - 1).cpu()
+    assert DOWNLOADS.cache.hits == hits + 1
+    assert torch.equal(fourth, x - 1) and torch.equal(second, x * 2)
+    assert fourth.is_contiguous() and fourth.dtype == torch.float32 and fourth.shape == x.shape
+    fourth.mul_(2)  # an ordinary CPU tensor
+    assert torch.equal(fourth, (x - 1) * 2)

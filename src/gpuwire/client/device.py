@@ -29,6 +29,7 @@ from itertools import chain
 import torch
 from torch._C import DispatchKey, DispatchKeySet
 
+from .._memory import RecyclingHostTensors, StorageCache
 from . import wire
 from .errors import ConnectionLost
 from .runtime import Runtime
@@ -1136,12 +1137,16 @@ def upload(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     return dst
 
 
+# large downloads land in recycled warm blocks (``_memory.RecyclingHostTensors``)
+DOWNLOADS = RecyclingHostTensors(StorageCache(max_bytes=1 << 30, min_bytes=8 << 20, max_age=10.0))
+
+
 def download(src: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
     """Device → host: a CPU tensor with ``src``'s values (one round trip). The bytes are
     received straight into ``into`` (a contiguous CPU tensor of the same shape and dtype)
     or into a new tensor."""
     rt = runtime()
-    host = into if into is not None else torch.empty(tuple(src.shape), dtype=src.dtype)
+    host = into if into is not None else DOWNLOADS.empty(tuple(src.shape), src.dtype)
     with rt.lock:
         if not _plain(src):
             src = aten.clone.default(src, memory_format=torch.contiguous_format)
@@ -1293,10 +1298,16 @@ def _to_copy(keyset, *args, **kwargs):
     ``pin_memory=True``) makes aten allocate pinned CPU memory through the PrivateUse1 hooks,
     which a Python backend cannot implement ("getPinnedMemoryAllocator"). A download is
     synchronous here anyway: run it as a blocking copy into ordinary memory."""
-    if kwargs.get("non_blocking") or kwargs.get("pin_memory"):
-        device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "cpu":
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type == "cpu":
+        if kwargs.get("non_blocking") or kwargs.get("pin_memory"):
             kwargs = dict(kwargs, non_blocking=False, pin_memory=None)
+        src = args[0] if len(args) == 1 else None
+        if (src is not None and kwargs.get("dtype") in (None, src.dtype) and kwargs.get("layout") in (None, torch.strided)
+                and kwargs.get("memory_format") in (None, torch.preserve_format, torch.contiguous_format)
+                and src.is_contiguous() and not src.is_conj() and not src.is_neg()
+                and src.numel() * src.element_size() >= DOWNLOADS.cache.min_bytes):
+            return download(src)  # into a recycled warm block (``DOWNLOADS``), not fresh pages
     return _to_copy_composite.call_boxed(keyset, *args, **kwargs)
 
 
