@@ -194,3 +194,49 @@ def test_more_hugging_face_architectures_train_bit_for_bit(device, name):
     loss, state = run(device)
     assert loss == cpu_loss
     assert_states_equal(state, cpu_state)
+
+
+@pytest.mark.parametrize("build", [tiny_gpt2, tiny_llama], ids=["gpt2", "llama"])
+def test_hugging_face_generate_matches_cpu(device, build):
+    """Generation with a KV cache: every token gives the attention new sequence lengths (the
+    client infers their output layouts without fake tensors); greedy and seeded sampling give
+    the tokens a CPU run gives, and a batch padded to its longest sequence trains like CPU."""
+    torch.manual_seed(0)
+    model = build().eval()
+    prompt = torch.randint(1, 256, (2, 6), generator=torch.Generator().manual_seed(1))
+    expected = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    torch.manual_seed(3)
+    expected_sampled = model.generate(prompt, max_new_tokens=8, do_sample=True, top_k=20, pad_token_id=0)
+    remote = model.to(device)
+    got = remote.generate(prompt.to(device), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(got.cpu(), expected)
+    torch.manual_seed(3)
+    sampled = remote.generate(prompt.to(device), max_new_tokens=8, do_sample=True, top_k=20, pad_token_id=0)
+    assert torch.equal(sampled.cpu(), expected_sampled)
+
+
+def test_variable_length_batches_train_bit_for_bit(device):
+    """Batches padded to their own longest sequence: new shapes every step."""
+    from transformers import BertConfig, BertForSequenceClassification
+    cfg = BertConfig(hidden_size=32, num_attention_heads=2, intermediate_size=64, num_hidden_layers=2, vocab_size=128,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    results = []
+    for dev in ("cpu", device):
+        torch.manual_seed(0)
+        model = BertForSequenceClassification(cfg).to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        data = torch.Generator().manual_seed(1)
+        losses = []
+        for length in (9, 14, 11, 20):
+            ids = torch.randint(1, 128, (4, length), generator=data)
+            mask = (torch.arange(length) < torch.randint(length // 2, length + 1, (4, 1), generator=data)).long()
+            labels = torch.randint(0, 2, (4,), generator=data)
+            loss = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), labels=labels.to(dev)).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        results.append((losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}))
+    assert results[0][0] == results[1][0]
+    for name, value in results[0][1].items():
+        assert torch.equal(value, results[1][1][name]), name

@@ -88,6 +88,9 @@ def _forget_runtime_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_runtime_in_child)
 
 
+INFERENCE_CACHES: list[dict] = []  # other modules' output-metadata caches, cleared with the plans'
+
+
 def _set_runtime(rt: Runtime) -> None:
     global _runtime, _infer_as_cpu
     _runtime = rt
@@ -98,6 +101,8 @@ def _set_runtime(rt: Runtime) -> None:
         for plan in (_conv_plan, _conv_backward_plan):
             if plan is not None:
                 plan.cache.clear()
+        for cache in INFERENCE_CACHES:
+            cache.clear()
     rt.seed(_pending_seed if _pending_seed is not None else torch.initial_seed())
 
 
@@ -464,21 +469,29 @@ class FunctionalPlan:
         return entry
 
     def _compute(self, args, kwargs):
-        if _infer_as_cpu:
+        # On a CPU node, meta kernels answer for every op whose meta and CPU kernels agree: fake
+        # CPU tensors give the same answer 5-40x slower (0.5-0.8 ms an op), which every new
+        # shape pays: each step of a model fed variable-length batches, each generated token.
+        as_cpu = _infer_as_cpu
+        if as_cpu and self.name in _CPU_DIFFERS_FROM_META:
             return self._compute_as_cpu(args, kwargs)
         meta_args, meta_kwargs = _to_meta(args), {k: _to_meta(v) for k, v in kwargs.items()}
         try:
             result = self.meta_op(*meta_args, **meta_kwargs)
         except (torch._subclasses.fake_tensor.DynamicOutputShapeException, NotImplementedError):
-            return SYNC
+            return self._compute_as_cpu(args, kwargs) if as_cpu else SYNC
         except Exception:  # noqa: BLE001 - let the node raise the real error (same message as local)
-            return None
+            return self._compute_as_cpu(args, kwargs) if as_cpu else None
+        if as_cpu:
+            fix = _CPU_KERNEL_FIXES.get(self.name)
+            if fix is not None:
+                result = fix(args, kwargs, result)
         return self._entry(result)
 
     def _compute_as_cpu(self, args, kwargs):
-        """Shape inference for a CPU node: meta kernels branch on the device type (eval-mode
+        """Shape inference for a CPU node where meta kernels branch on the device type (eval-mode
         batch norm returns empty save_mean/invstd on CPU, embedding_bag's auxiliary outputs
-        differ ...), so run them on fake CPU tensors, not on meta ones (which model CUDA)."""
+        differ ...): run them on fake CPU tensors, not on meta ones (which model CUDA)."""
         from torch._subclasses import fake_tensor as ft
         mode = _fake_cpu_mode()
         fake_args, fake_kwargs = _to_fake_cpu(args, mode), {k: _to_fake_cpu(v, mode) for k, v in kwargs.items()}
@@ -882,23 +895,24 @@ _infer_as_cpu = False  # the node runs CPU kernels: infer output metadata on fak
 _fake_mode = None
 
 
-def _stats_in_param_dtype(input_slot: int, param_slots: tuple, stat_outputs: tuple, grad_output: int | None = None):
-    """A fix for a norm's CPU kernel given a reduced-precision input and float32 parameters
-    (autocast's output feeding a BatchNorm, a bf16 model that keeps its norms in float32):
-    the CPU kernel returns the saved statistics in float32 (as CUDA does), the fake CPU
-    kernel the client infers with says the input's dtype. Stored as half, the statistics lost
-    precision and the backward refused them (``mixed dtype (CPU)``)."""
+def _norm_outputs_like_cpu(input_slot: int, param_slots: tuple, stat_outputs: tuple, grad_output: int | None = None):
+    """A norm's saved statistics in the dtype its CPU kernel gives them: float32 for a half or
+    bfloat16 input with float32 weights (what CUDA autocast makes of a BatchNorm after a half
+    layer, a bf16 model that keeps its norms in float32), else the input's dtype. Meta and fake
+    CPU kernels each get one of the two cases wrong; stored in the wrong dtype the statistics
+    lost precision, and the batch-norm backward refused them (``mixed dtype (CPU)``)."""
     def fix(args, kwargs, result):
         x = args[input_slot] if len(args) > input_slot else None
-        params = [args[i] for i in param_slots if i < len(args) and isinstance(args[i], torch.Tensor)]
-        if (not isinstance(x, torch.Tensor) or x.dtype not in (torch.float16, torch.bfloat16) or not params
-                or params[0].dtype != torch.float32 or not isinstance(result, tuple)):
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or not isinstance(result, tuple):
             return result
+        params = [args[i] for i in param_slots if i < len(args) and isinstance(args[i], torch.Tensor)]
+        mixed = x.dtype in (torch.float16, torch.bfloat16) and bool(params) and params[0].dtype == torch.float32
+        stats_dtype = torch.float32 if mixed else x.dtype
         fixed = list(result)
         for i in stat_outputs:
-            if isinstance(fixed[i], torch.Tensor):
-                fixed[i] = fixed[i].to(torch.float32)
-        if grad_output is not None and isinstance(fixed[grad_output], torch.Tensor):
+            if isinstance(fixed[i], torch.Tensor) and fixed[i].dtype != stats_dtype:
+                fixed[i] = fixed[i].to(stats_dtype)
+        if grad_output is not None and isinstance(fixed[grad_output], torch.Tensor) and fixed[grad_output].dtype != x.dtype:
             fixed[grad_output] = fixed[grad_output].to(x.dtype)
         return tuple(fixed)
     return fix
@@ -936,18 +950,32 @@ def _fix_embedding_bag(args, kwargs, result, forward_only: bool):
     return output, offset2bag, bag_size, max_indices
 
 
+# Ops whose meta kernel gives other output metadata (shape, strides, dtype) than their CPU
+# kernel: a CPU node's client infers them on fake CPU tensors. Found by comparing meta with fake
+# CPU on every aten call (forward and backward) of PyTorch's OpInfo samples in float32 and
+# bfloat16 and of the Hugging Face and CNN/RNN training steps in tests/ (scan script:
+# tests/conformance/meta_vs_cpu.py). An op left out that disagrees on shape fails with a clear
+# error from the node; on strides, the node copies its result into the declared layout.
+_CPU_DIFFERS_FROM_META = frozenset({
+    "aten::native_batch_norm", "aten::_native_batch_norm_legit", "aten::_native_batch_norm_legit.no_stats",
+    "aten::_native_batch_norm_legit_no_training", "aten::_native_batch_norm_legit_functional",
+    "aten::_batch_norm_with_update", "aten::_batch_norm_with_update_functional", "aten::_batch_norm_no_update",
+    "aten::_embedding_bag", "aten::_embedding_bag_forward_only", "aten::convolution.default",
+    "aten::_fft_r2c", "aten::_fft_c2r", "aten::_fft_c2c", "aten::_linalg_svd", "aten::linalg_eig",
+})
+
 # ops whose CPU kernel's output metadata differs from what fake CPU tensors give
 _CPU_KERNEL_FIXES = {
     "aten::_embedding_bag": _embedding_bag_cpu_outputs(forward_only=False),
     "aten::_embedding_bag_forward_only": _embedding_bag_cpu_outputs(forward_only=True),
-    **{name: _stats_in_param_dtype(0, (1, 2, 3, 4), (1, 2)) for name in (
+    **{name: _norm_outputs_like_cpu(0, (1, 2, 3, 4), (1, 2)) for name in (
         "aten::native_batch_norm", "aten::_native_batch_norm_legit", "aten::_native_batch_norm_legit.no_stats",
         "aten::_native_batch_norm_legit_no_training", "aten::_native_batch_norm_legit_functional",
         "aten::_batch_norm_with_update", "aten::_batch_norm_with_update_functional", "aten::_batch_norm_no_update")},
-    "aten::native_layer_norm": _stats_in_param_dtype(0, (2, 3), (1, 2)),
-    "aten::native_group_norm": _stats_in_param_dtype(0, (1, 2), (1, 2)),
+    "aten::native_layer_norm": _norm_outputs_like_cpu(0, (2, 3), (1, 2)),
+    "aten::native_group_norm": _norm_outputs_like_cpu(0, (1, 2), (1, 2)),
     # (grad_out, input, mean, rstd, weight, ...): the input's gradient has the input's dtype
-    "aten::native_group_norm_backward": _stats_in_param_dtype(1, (2,), (), grad_output=0),
+    "aten::native_group_norm_backward": _norm_outputs_like_cpu(1, (4,), (), grad_output=0),
 }
 
 

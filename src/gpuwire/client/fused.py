@@ -37,7 +37,25 @@ def _sdpa_out_shape(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
            None if attn_mask is None else (attn_mask.shape, attn_mask.stride(), attn_mask.dtype),
            dropout_p > 0.0, is_causal, enable_gqa)
     spec = _SDPA_SPECS.get(key)
-    if spec is None:
+    if spec is not None:
+        return spec
+    # Sequences whose length changes every call (generation with a KV cache, batches padded to
+    # their longest) make every call a new layout. The output's shape is the query's with the
+    # values' head size, and its strides follow from the kernel chosen (CPU's flash kernel: its
+    # query's layout, contiguous or (B, L, H, E) memory seen as (B, H, L, E); the math path:
+    # contiguous); that choice does not depend on the lengths, so it is learned once per family
+    # of calls that differ in lengths only. A wrong guess would only cost a copy on the node
+    # (into the declared layout); a bad shape is then reported by the node, at the next sync.
+    shape = (*q.shape[:-1], v.shape[-1])
+    family = (q.dim(), q.shape[:-2], q.dtype, q.stride(-1) == 1, q.dim() == 4 and q.stride(1) < q.stride(2),
+              k.shape[:-2], k.dtype, k.stride(-1) == 1, v.shape[-1], v.dtype, v.stride(-1) == 1,
+              q.shape[-2] > 0, k.shape[-2] > 0, q.shape[-1],
+              None if attn_mask is None else (attn_mask.dtype, tuple(size == 1 for size in attn_mask.shape)),
+              dropout_p > 0.0, is_causal, enable_gqa)
+    kind = _SDPA_FAMILIES.get(family)
+    if kind is not None:
+        spec = _device.output_spec(shape, _sdpa_layout(kind, shape), q.dtype)
+    else:
         tensors = (q, k, v, attn_mask)
         if _device._infer_as_cpu:
             mode = _device._fake_cpu_mode()
@@ -52,12 +70,30 @@ def _sdpa_out_shape(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
                 meta[0], meta[1], meta[2], attn_mask=meta[3], dropout_p=0.0, is_causal=is_causal, scale=scale,
                 enable_gqa=enable_gqa)
         spec = _device.output_spec(out.shape, out.stride(), out.dtype)
-        if len(_SDPA_SPECS) < 4096:
-            _SDPA_SPECS[key] = spec
+        if out.dtype == q.dtype and tuple(out.shape) == shape and len(_SDPA_FAMILIES) < 4096:
+            for kind in ("contiguous", "flash"):
+                if tuple(out.stride()) == _sdpa_layout(kind, shape):
+                    _SDPA_FAMILIES[family] = kind
+                    break
+    if len(_SDPA_SPECS) < 4096:
+        _SDPA_SPECS[key] = spec
     return spec
 
 
+def _sdpa_layout(kind: str, shape: tuple) -> tuple:
+    if kind == "flash" and len(shape) == 4:  # (B, H, L, E) viewing (B, L, H, E) memory
+        batch, heads, length, size = (max(n, 1) for n in shape)
+        return (length * heads * size, size, heads * size, 1)
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+_SDPA_FAMILIES: dict = {}  # argument layouts up to the sequence lengths -> "contiguous" or "flash"
 _SDPA_SPECS: dict = {}
+_device.INFERENCE_CACHES += [_SDPA_SPECS, _SDPA_FAMILIES]
 _HANDLE_SPEC = _device.output_spec((1,), (1,), torch.uint8)  # the 1-byte storage a kept graph is held by
 _NO_STATE_SPEC = _device.output_spec((0,), (1,), torch.uint8)  # no dropout: no generator state to keep
 
