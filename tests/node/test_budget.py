@@ -156,6 +156,34 @@ def test_honest_programs_pass_the_meta_check(budget_node):
 
 
 @pytest.mark.timeout(60)
+def test_attention_is_sized_from_its_shapes(budget_node):
+    """The node's SDPA ops are sized from their arguments' shapes (no meta run per new shape):
+    honest calls of changing lengths run; an output that would outgrow the session, declared
+    small, is refused before it allocates."""
+    rt = Runtime(budget_node.address)
+    rt.memory_budget = None
+    sid = rt.allocate(4096)
+    rt.write(sid, 0, memoryview(torch.full((1024,), 0.5).numpy()).cast("B"))
+    rt.synchronize()
+    before = _peak_rss(budget_node.proc.pid)
+    for length in (3, 4, 5):  # a growing key/value cache
+        q = pack_tensor_ref(sid, 0, (1, 2, 1, 8), (16, 8, 8, 1), F32)
+        kv = pack_tensor_ref(sid, 0, (1, 2, length, 8), (16 * length, 8 * length, 8, 1), F32)
+        out = rt.reserve(64)
+        _op(rt, "gpuwire::sdpa", [q, kv, kv, None, 0.0, False, None, False], {},
+            [[out, 64, [1, 2, 1, 8], [16, 8, 8, 1], F32]])
+        got = torch.frombuffer(bytearray(rt.read(out, 0, 64)), dtype=torch.float32)
+        assert torch.equal(got, torch.full((16,), 0.5))
+    huge_q = pack_tensor_ref(sid, 0, (1 << 12, 2, 1 << 13, 8), (0, 0, 0, 1), F32)  # 2 GiB of output
+    kv = pack_tensor_ref(sid, 0, (1, 2, 4, 8), (64, 32, 8, 1), F32)
+    with pytest.raises(torch.OutOfMemoryError, match=r"gpuwire::sdpa would allocate 2GiB"):
+        _op(rt, "gpuwire::sdpa", [huge_q, kv, kv, None, 0.0, False, None, False], {},
+            [[rt.reserve(64), 64, [1, 2, 1, 8], [16, 8, 8, 1], F32]])
+    assert _peak_rss(budget_node.proc.pid) - before < 256 << 20
+    rt.close()
+
+
+@pytest.mark.timeout(60)
 def test_ops_over_views_larger_than_the_device_are_refused_unrun(budget_node):
     """A zero-stride view passes the bounds check however large it is; a kernel over a view
     larger than the device's whole memory would hold the device for every session."""

@@ -559,6 +559,18 @@ class Session:
             kind = _OP_KINDS.get(name) or _OP_KINDS.setdefault(name, _op_kind(name, fn))
             if kind is _IN_PLACE:
                 return
+        sizer = _SDPA_SIZERS.get(name)
+        if sizer is not None and not kwargs:
+            sized = sizer(args)
+            if sized is not None:  # (malformed arguments: the meta run below decides)
+                fresh, widest = sized
+                if widest > _LARGE:
+                    self._check_width(name, widest)
+                if room is None:
+                    room = self._room()
+                if fresh > room:
+                    raise _no_room(name, fresh, room, "computed from its arguments' shapes")
+                return
         # out= ops return their out= arguments, whose result shapes do not depend on strides:
         # their signature leaves strides out (the hot path of structured kernels)
         strided = kind is not _OUT
@@ -1059,6 +1071,47 @@ def _meta_cost(fn, args, kwargs, strided: bool = True) -> tuple:
         return (*_measure(made, before, result), widest)
     except Exception:  # noqa: BLE001 - no meta kernel, data-dependent sizes, invalid arguments
         return _NO_ANSWER, 0, None, widest
+
+
+def _dense_bytes(t) -> int:
+    numel = 1
+    for size in t.shape:
+        numel *= size
+    return numel * t.element_size()
+
+
+def _sdpa_sizer(q_at: int, extra: int = 0, gradients: bool = False):
+    """Bytes the node's SDPA ops return, from their arguments' shapes: the attention output
+    (the query's shape with the values' head size) or the gradients (the inputs' shapes), and
+    the largest argument. Replaces a meta run of SDPA, which runs its math decomposition in
+    Python (milliseconds) at every new shape, i.e. at every generated token. (Like the meta
+    run, it counts results, not the attention matrix a math-path kernel makes on the way.)"""
+    def size(args):
+        if len(args) < q_at + 4:
+            return None
+        q, k, v, mask = args[q_at:q_at + 4]
+        if (type(q) is not _TENSOR or type(k) is not _TENSOR or type(v) is not _TENSOR or q.dim() < 2
+                or v.dim() < 2 or (mask is not None and type(mask) is not _TENSOR)):
+            return None
+        tensors = [t for t in args if type(t) is _TENSOR]
+        widest = max(_dense_bytes(t) for t in tensors)
+        if gradients:
+            fresh = _dense_bytes(q) + _dense_bytes(k) + _dense_bytes(v) + (_dense_bytes(mask) if mask is not None else 0)
+        else:
+            rows = 1
+            for n in q.shape[:-1]:
+                rows *= n
+            fresh = rows * v.shape[-1] * q.element_size()
+        return fresh + extra, widest
+    return size
+
+
+_SDPA_SIZERS = {
+    "gpuwire::sdpa": _sdpa_sizer(0),
+    "gpuwire::sdpa_keep": _sdpa_sizer(0, extra=(1 << 16) + 1),  # + the generator state and the 1-byte handle
+    "gpuwire::sdpa_backward": _sdpa_sizer(1, gradients=True),
+    "gpuwire::sdpa_backward_kept": _sdpa_sizer(3, gradients=True),
+}
 
 
 def _fill_placeholders(value, fill):
