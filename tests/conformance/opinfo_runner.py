@@ -701,7 +701,8 @@ def parse_args(argv=None):
                       help=f"the fixed CI subset ({SAMPLED_OPS} ops, {SAMPLED_MAX_SAMPLES} samples each); the default")
     mode.add_argument("--ops", help="comma-separated OpInfo names (name or name.variant)")
     parser.add_argument("--out", required=False, help="path of the JSON results")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16", "float64"),
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16", "float64", "complex64",
+                                                             "int64", "int32", "int8", "uint8", "bool"),
                         help="dtype of the samples (default float32; half precision finds where shape "
                              "inference and the node's kernels disagree on mixed-precision outputs)")
     parser.add_argument("--max-samples", type=int, default=None, help="at most this many samples per op")

@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 import warnings
+from itertools import chain
 
 import msgpack
 import torch
@@ -632,6 +633,10 @@ class Session:
         fn, call, kind = entry
         args, kwargs, outs = event.args, event.kwargs, event.outs
         self._guard_allocation(event, fn, kind)
+        bits_before = None
+        if kind is _OUT and not outs:
+            bits_before = [(value, value.is_conj(), value.is_neg()) for value in chain(args, kwargs.values())
+                           if type(value) is _TENSOR]
         rng = self.rng
         with rng.lock:
             if rng.owner is not self:
@@ -645,6 +650,8 @@ class Session:
             else:
                 result = call(*args, **kwargs)
         self.ops_run += 1
+        if bits_before is not None:
+            self._materialize_math_bits(bits_before)
         if outs:
             if type(result) is _TENSOR:
                 if len(outs) != 1:
@@ -666,6 +673,20 @@ class Session:
                     self.allocate(out[0], out[1])
                 else:
                     self._adopt(tensor, out)
+
+    def _materialize_math_bits(self, bits_before: list) -> None:
+        """An out= kernel may leave a lazy conjugate (or negation) bit on its out tensor instead
+        of writing the values (``linalg_lu_solve(left=False)`` writes through ``out.mH``): the
+        bit lives in this node's tensor object only, so the client would read the raw bytes.
+        Write the values themselves into the storage, and forget the cached views of it."""
+        for value, conj, neg in bits_before:
+            if (conj or not value.is_conj()) and (neg or not value.is_neg()):
+                continue  # no bit added (a view the client sent conjugated stays as it was)
+            plain = torch.empty(0, dtype=value.dtype, device=value.device).set_(
+                value.untyped_storage(), value.storage_offset(), value.shape, value.stride())
+            plain.copy_(value.resolve_conj().resolve_neg())
+            for key in [key for key, entry in self._views.items() if entry[2] is value]:
+                self._views.pop(key, None)
 
     def _adopt(self, tensor, out) -> None:
         """Store an op's result under the client-chosen storage id, in the layout the client
