@@ -23,6 +23,7 @@ the first command overwrites all of it (``Session.allocate``), for fresh and reu
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 import weakref
@@ -141,10 +142,7 @@ class RecyclingHostTensors:
         self._returned: collections.deque = collections.deque()
 
     def empty(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        numel = 1
-        for size in shape:
-            numel *= size
-        nbytes = numel * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < self.cache.min_bytes or nbytes > self.cache.max_bytes:
             return torch.empty(shape, dtype=dtype)
         returned = self._returned
@@ -155,8 +153,4 @@ class RecyclingHostTensors:
         finalizer = weakref.finalize(view, returned.append, block)
         finalizer.atexit = False
         carrier = torch.frombuffer(view, dtype=torch.uint8)
-        strides, step = [], 1
-        for size in reversed(shape):
-            strides.append(step)
-            step *= max(size, 1)
-        return torch.empty(0, dtype=dtype).set_(carrier.untyped_storage(), 0, tuple(shape), tuple(reversed(strides)))
+        return torch.empty(0, dtype=dtype).set_(carrier.untyped_storage(), 0, tuple(shape))  # contiguous

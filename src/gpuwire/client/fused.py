@@ -84,11 +84,7 @@ def _sdpa_layout(kind: str, shape: tuple) -> tuple:
     if kind == "flash" and len(shape) == 4:  # (B, H, L, E) viewing (B, L, H, E) memory
         batch, heads, length, size = (max(n, 1) for n in shape)
         return (length * heads * size, size, heads * size, 1)
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+    return _device._contiguous_strides(shape)
 
 
 _SDPA_FAMILIES: dict = {}  # argument layouts up to the sequence lengths -> "contiguous" or "flash"

@@ -15,6 +15,7 @@ import time
 import uuid
 import warnings
 from itertools import chain
+from math import prod
 
 import msgpack
 import torch
@@ -1070,7 +1071,6 @@ def _meta_cost(fn, args, kwargs, strided: bool = True) -> tuple:
         kwargs = {k: _to_meta(v, tensors) for k, v in kwargs.items()}
     except Exception:  # noqa: BLE001
         return _NO_ANSWER, 0, None, 0
-    from math import prod
     widest = max((prod(t.shape) * t.element_size() for t in tensors), default=0)
     made = []
     try:
@@ -1095,10 +1095,8 @@ def _meta_cost(fn, args, kwargs, strided: bool = True) -> tuple:
 
 
 def _dense_bytes(t) -> int:
-    numel = 1
-    for size in t.shape:
-        numel *= size
-    return numel * t.element_size()
+    """Bytes of ``t`` laid out densely (a broadcast view counts every element it shows)."""
+    return t.numel() * t.element_size()
 
 
 def _sdpa_sizer(q_at: int, extra: int = 0, gradients: bool = False):
@@ -1119,10 +1117,7 @@ def _sdpa_sizer(q_at: int, extra: int = 0, gradients: bool = False):
         if gradients:
             fresh = _dense_bytes(q) + _dense_bytes(k) + _dense_bytes(v) + (_dense_bytes(mask) if mask is not None else 0)
         else:
-            rows = 1
-            for n in q.shape[:-1]:
-                rows *= n
-            fresh = rows * v.shape[-1] * q.element_size()
+            fresh = prod(q.shape[:-1]) * v.shape[-1] * q.element_size()
         return fresh + extra, widest
     return size
 
