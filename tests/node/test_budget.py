@@ -176,9 +176,50 @@ def test_attention_is_sized_from_its_shapes(budget_node):
         assert torch.equal(got, torch.full((16,), 0.5))
     huge_q = pack_tensor_ref(sid, 0, (1 << 12, 2, 1 << 13, 8), (0, 0, 0, 1), F32)  # 2 GiB of output
     kv = pack_tensor_ref(sid, 0, (1, 2, 4, 8), (64, 32, 8, 1), F32)
-    with pytest.raises(torch.OutOfMemoryError, match=r"gpuwire::sdpa would allocate 2GiB"):
+    # (a query batch of 4096 over keys of batch 1 is no fused kernel's layout: the math path's
+    # 4096 x 2 x 8192 x 4 float32 matrices, 2 GiB, come on top)
+    with pytest.raises(torch.OutOfMemoryError, match=r"gpuwire::sdpa would allocate 4GiB .*2GiB of it the attention"):
         _op(rt, "gpuwire::sdpa", [huge_q, kv, kv, None, 0.0, False, None, False], {},
             [[rt.reserve(64), 64, [1, 2, 1, 8], [16, 8, 8, 1], F32]])
+    assert _peak_rss(budget_node.proc.pid) - before < 256 << 20
+    rt.close()
+
+
+@pytest.mark.timeout(60)
+def test_attention_math_path_temporaries_are_counted(budget_node):
+    """SDPA with dropout takes the math path on a CPU node: B x H x L x S attention matrices
+    that are temporaries, not results. A long sequence is refused before it allocates (it
+    would otherwise grow the node past its budget, up to the OOM killer); the same shapes
+    without dropout (the flash kernel, O(L) memory) run."""
+    rt = Runtime(budget_node.address)
+    rt.memory_budget = None
+    sid = rt.allocate(64)
+    rt.write(sid, 0, memoryview(torch.full((16,), 0.25).numpy()).cast("B"))
+    rt.synchronize()
+    before = _peak_rss(budget_node.proc.pid)
+
+    def qkv(length):  # (1, 2, length, 8) views of 8 floats: in bounds, no memory
+        return pack_tensor_ref(sid, 0, (1, 2, length, 8), (0, 0, 0, 1), F32)
+
+    def out_decl(length):
+        return [[rt.reserve(64 * length), 64 * length, [1, 2, length, 8], [16 * length, 8 * length, 8, 1], F32]]
+
+    long = qkv(8192)  # 2 x 8192 x 8192 floats: 512 MiB a matrix, 2 GiB with dropout's
+    with pytest.raises(torch.OutOfMemoryError, match=r"gpuwire::sdpa would allocate 2(\.0)?GiB .*attention matrices of "
+                                                     r"SDPA's math path") as info:
+        _op(rt, "gpuwire::sdpa", [long, long, long, None, 0.5, False, None, False], {}, out_decl(8192))
+    assert "drop attention dropout" in str(info.value)
+    with pytest.raises(torch.OutOfMemoryError, match="attention matrices"):
+        _op(rt, "gpuwire::sdpa_backward", [qkv(8192), long, long, long, None, 0.5, False, None, False, False,
+                                           None], {}, ())
+    assert _peak_rss(budget_node.proc.pid) - before < 256 << 20
+    # no dropout: the CPU flash kernel, which needs no matrix; and short sequences with dropout
+    _op(rt, "gpuwire::sdpa", [qkv(4096), qkv(4096), qkv(4096), None, 0.0, False, None, False], {}, out_decl(4096))
+    out = out_decl(16)
+    _op(rt, "gpuwire::sdpa", [qkv(16), qkv(16), qkv(16), None, 0.5, False, None, False], {}, out)
+    got = torch.frombuffer(bytearray(rt.read(out[0][0], 0, 64 * 16)), dtype=torch.float32)
+    # each output: 0.25 (every value) times the sum of the kept attention weights (1/16 each, kept ones x2)
+    assert all((value * 32).is_integer() and 0 <= value <= 0.5 for value in got.tolist())
     assert _peak_rss(budget_node.proc.pid) - before < 256 << 20
     rt.close()
 

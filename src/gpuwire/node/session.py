@@ -565,13 +565,18 @@ class Session:
         if sizer is not None and not kwargs:
             sized = sizer(args)
             if sized is not None:  # (malformed arguments: the meta run below decides)
-                fresh, widest = sized
+                fresh, widest, scratch = sized
                 if widest > _LARGE:
                     self._check_width(name, widest)
                 if room is None:
                     room = self._room()
                 if fresh > room:
-                    raise _no_room(name, fresh, room, "computed from its arguments' shapes")
+                    how = "computed from its arguments' shapes"
+                    if scratch:
+                        how += (f", {format_size(scratch)} of it the attention matrices of SDPA's math path, which this "
+                                f"{self.device.type} node takes for these arguments (dropout, or a layout no fused "
+                                "kernel supports): shorten the sequences or batch, or drop attention dropout")
+                    raise _no_room(name, fresh, room, how)
                 return
         # out= ops return their out= arguments, whose result shapes do not depend on strides:
         # their signature leaves strides out (the hot path of structured kernels)
@@ -1100,17 +1105,20 @@ def _dense_bytes(t) -> int:
 
 
 def _sdpa_sizer(q_at: int, extra: int = 0, gradients: bool = False):
-    """Bytes the node's SDPA ops return, from their arguments' shapes: the attention output
-    (the query's shape with the values' head size) or the gradients (the inputs' shapes), and
-    the largest argument. Replaces a meta run of SDPA, which runs its math decomposition in
-    Python (milliseconds) at every new shape, i.e. at every generated token. (Like the meta
-    run, it counts results, not the attention matrix a math-path kernel makes on the way.)"""
+    """Bytes the node's SDPA ops need, from their arguments' shapes: the attention output (the
+    query's shape with the values' head size) or the gradients (the inputs' shapes), plus the
+    attention matrices when this node's SDPA takes the math path for these arguments (on CPU:
+    dropout; on CUDA: layouts no fused kernel takes), and the largest argument. Replaces a
+    meta run of SDPA, which runs its math decomposition in Python (milliseconds) at every new
+    shape, i.e. at every generated token, and which counts results only: the math path's
+    B x H x L x S matrices are temporaries, so a long sequence would exhaust a CPU node's
+    memory (the OOM killer takes the node, and every session with it) unchecked."""
     def size(args):
         if len(args) < q_at + 4:
             return None
         q, k, v, mask = args[q_at:q_at + 4]
         if (type(q) is not _TENSOR or type(k) is not _TENSOR or type(v) is not _TENSOR or q.dim() < 2
-                or v.dim() < 2 or (mask is not None and type(mask) is not _TENSOR)):
+                or v.dim() < 2 or k.dim() < 2 or (mask is not None and type(mask) is not _TENSOR)):
             return None
         tensors = [t for t in args if type(t) is _TENSOR]
         widest = max(_dense_bytes(t) for t in tensors)
@@ -1118,8 +1126,33 @@ def _sdpa_sizer(q_at: int, extra: int = 0, gradients: bool = False):
             fresh = _dense_bytes(q) + _dense_bytes(k) + _dense_bytes(v) + (_dense_bytes(mask) if mask is not None else 0)
         else:
             fresh = prod(q.shape[:-1]) * v.shape[-1] * q.element_size()
-        return fresh + extra, widest
+        scratch = _math_path_scratch(q, k, v, mask, args[q_at + 4:q_at + 8], gradients)
+        return fresh + extra + scratch, widest, scratch
     return size
+
+
+_SDPA_MATH = int(torch.nn.attention.SDPBackend.MATH)
+
+
+def _math_path_scratch(q, k, v, mask, options, gradients: bool) -> int:
+    """Bytes of attention matrices SDPA's math path keeps alive at its peak, 0 when a fused
+    kernel (flash, memory-efficient: O(L) memory) runs these arguments. Estimated: scores and
+    their softmax (and dropout's mask and output) forward, as many again for their gradients
+    backward, in at least float32 (the CPU math path computes half precision in float32)."""
+    dropout_p = options[0] if options and type(options[0]) in (float, int) else 0.0
+    is_causal = options[1] if len(options) > 1 and type(options[1]) is bool else False
+    scale = options[2] if len(options) > 2 and type(options[2]) in (float, int) else None
+    enable_gqa = options[3] if len(options) > 3 and type(options[3]) is bool else False
+    try:
+        choice = torch._fused_sdp_choice(q, k, v, mask, float(dropout_p), is_causal, scale=scale, enable_gqa=enable_gqa)
+    except Exception:  # noqa: BLE001 - arguments SDPA refuses: the run fails on its own, no memory needed
+        return 0
+    if choice != _SDPA_MATH:
+        return 0
+    batch = max(prod(q.shape[:-2]), prod(k.shape[:-2]))
+    matrix = batch * q.shape[-2] * k.shape[-2] * max(q.element_size(), 4)
+    copies = 2 + (2 if dropout_p else 0)
+    return matrix * copies * (2 if gradients else 1)
 
 
 _SDPA_SIZERS = {
