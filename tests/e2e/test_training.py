@@ -240,3 +240,36 @@ def test_variable_length_batches_train_bit_for_bit(device):
     assert results[0][0] == results[1][0]
     for name, value in results[0][1].items():
         assert torch.equal(value, results[1][1][name]), name
+
+
+def test_masked_bert_step_costs_one_round_trip(device):
+    """transformers checks every attention mask for padding (``padding_mask.all()``), a read
+    of a device tensor; the mask came from the host, so the client answers it itself: one
+    round trip a step (the loss), the losses as on CPU, whether the batch is padded or not."""
+    from transformers import BertConfig, BertForSequenceClassification
+    cfg = BertConfig(hidden_size=32, num_attention_heads=2, intermediate_size=64, num_hidden_layers=2, vocab_size=128)
+    data = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 128, (4, 16), generator=data)
+    padded = torch.ones(4, 16, dtype=torch.long)
+    padded[1, 10:] = 0
+    batches = [(ids, torch.ones(4, 16, dtype=torch.long)), (ids, padded)] * 3
+    labels = torch.randint(0, 2, (4,), generator=data)
+    results = []
+    for dev in ("cpu", device):
+        torch.manual_seed(0)
+        model = BertForSequenceClassification(cfg).to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses, trips = [], []
+        for batch_ids, mask in batches:
+            before = gpuwire.stats()["round_trips"] if dev != "cpu" else 0
+            torch.manual_seed(len(losses))  # dropout: the same stream on both devices
+            loss = model(input_ids=batch_ids.to(dev), attention_mask=mask.to(dev), labels=labels.to(dev)).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            if dev != "cpu":
+                trips.append(gpuwire.stats()["round_trips"] - before)
+        results.append(losses)
+    assert results[1] == results[0]
+    assert trips[2:] == [1, 1, 1, 1], trips  # (the first padded and unpadded steps learn layouts)

@@ -30,7 +30,7 @@ import torch
 from torch._C import DispatchKey, DispatchKeySet
 
 from .._memory import RecyclingHostTensors, StorageCache
-from . import wire
+from . import mirror, wire
 from .errors import ConnectionLost
 from .runtime import Runtime
 from .wire import CODE_DTYPE, DTYPE_CODE
@@ -453,6 +453,8 @@ class FunctionalPlan:
         # (``arange``'s sizes come from its Scalars)
         tensors, scalars = _slot_kinds(op)
         self.by_class, self.by_kind = tensors, scalars
+        # fresh results, but also writes into arguments (``native_batch_norm``'s running stats)
+        self.writes_args = any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
 
     def outputs(self, op, args, kwargs):
         try:
@@ -526,7 +528,7 @@ class FunctionalPlan:
         entry = self.outputs(op, args, kwargs)
         if entry is SYNC or entry is None:
             return _call_sync(op, self.name, args, kwargs)
-        tensors = submit_with_outputs(self.name, args, kwargs, entry.specs)
+        tensors = submit_with_outputs(self.name, args, kwargs, entry.specs, self.writes_args)
         template = entry.template
         if template == 0:
             return tensors[0]
@@ -538,9 +540,10 @@ def output_spec(sizes, strides, dtype) -> tuple:
     return sizes, strides, dtype, DTYPE_CODE[dtype], _storage_nbytes(sizes, strides, dtype.itemsize)
 
 
-def submit_with_outputs(name: str, args, kwargs, specs) -> list:
+def submit_with_outputs(name: str, args, kwargs, specs, writes_args: bool = False) -> list:
     """Queue op ``name`` whose fresh results have the layouts ``specs`` (see ``output_spec``);
-    return the client tensors for them at once, without waiting for the node."""
+    return the client tensors for them at once, without waiting for the node. ``writes_args``:
+    the op also writes into some of its arguments."""
     rt = runtime()
     with rt.lock:
         tensors = []
@@ -549,7 +552,11 @@ def submit_with_outputs(name: str, args, kwargs, specs) -> list:
             sid = rt.reserve(nbytes)
             tensors.append(wrap_storage(rt, sid, nbytes, sizes, strides, dtype))
             outs.append((sid, nbytes, sizes, strides, code))
-        rt.submit(rt.conn.encode_op(rt.next_seq(), name, args, kwargs, outs))
+        frame = rt.conn.encode_op(rt.next_seq(), name, args, kwargs, outs)
+        if writes_args:
+            rt.submit(frame)
+        else:
+            rt.submit_fresh(frame)
     return tensors
 
 
@@ -732,8 +739,10 @@ class DirectPlan:
             with rt.lock:
                 storage_id = rt.reserve(nbytes)
                 t = wrap_storage(rt, storage_id, nbytes, sizes, strides, dtype)
-                rt.submit(rt.conn.encode_op(rt.next_seq(), self.name, args, kwargs,
-                                            ((storage_id, nbytes, sizes, strides, code),)))
+                rt.submit_fresh(rt.conn.encode_op(rt.next_seq(), self.name, args, kwargs,
+                                                  ((storage_id, nbytes, sizes, strides, code),)))
+                if rt.mirror and self.name in mirror.OPS:
+                    mirror.propagate(rt, self.op, args, kwargs, t)
             return t
         return tuple(submit_with_outputs(self.name, args, kwargs, specs))
 
@@ -1157,6 +1166,8 @@ def upload(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
             if dst.storage_offset() == 0 and data.nbytes == dst.untyped_storage().nbytes():
                 rt.mark_overwrite(storage_id)
             rt.write(storage_id, dst.storage_offset() * dst.element_size(), data, unchanged)
+            if data.nbytes <= mirror.MAX_BYTES:
+                mirror.remember(rt, dst, src)
             return dst
         staging = new_empty(rt, tuple(src.shape), _contiguous_strides(tuple(src.shape)), src.dtype)
         data, unchanged = _host_bytes(src)
@@ -1174,6 +1185,12 @@ def download(src: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tenso
     received straight into ``into`` (a contiguous CPU tensor of the same shape and dtype)
     or into a new tensor."""
     rt = runtime()
+    if rt.mirror:
+        known = mirror.host_view(rt, src)
+        if known is not None:  # values this client computed: no round trip
+            if into is None:
+                return known.clone(memory_format=torch.contiguous_format)
+            return into.copy_(known)
     host = into if into is not None else DOWNLOADS.empty(tuple(src.shape), src.dtype)
     with rt.lock:
         if not _plain(src):
@@ -1194,7 +1211,13 @@ def _copy_from(op, args, kwargs):
     if src_remote and dst_remote:
         rt = runtime()
         with rt.lock:
-            rt.submit(rt.conn.encode_op(rt.next_seq(), "aten::copy_", (dst, src), {}, ()))
+            known = None
+            if rt.mirror:  # a copy writes into ``dst``'s storage and nowhere else
+                known = mirror.host_view(rt, src)
+                rt.mirror.pop(storage_id_of(dst), None)
+            rt.submit_fresh(rt.conn.encode_op(rt.next_seq(), "aten::copy_", (dst, src), {}, ()))
+            if known is not None:
+                mirror.remember(rt, dst, known)
         return dst
     if dst_remote:
         return upload(src, dst)

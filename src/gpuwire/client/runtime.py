@@ -113,6 +113,9 @@ class Runtime:
         self.seq = 0
         self.round_trips = 0
         self.ops_sent = 0
+        # storage id -> CPU storage with the same bytes, for small integer/boolean tensors whose
+        # values the client knows (``client/mirror.py``); emptied by anything that may write
+        self.mirror: dict = {}
         self.bytes_sent = 0
         self.bytes_received = 0
         self._queue: list = []
@@ -394,6 +397,14 @@ class Runtime:
     # ------------------------------------------------------------ commands
 
     def submit(self, frame: bytes) -> None:
+        """Queue an op that may write into existing storages (in place, out=, copies)."""
+        if self.mirror:
+            self.mirror.clear()
+        self.submit_fresh(frame)
+
+    def submit_fresh(self, frame: bytes) -> None:
+        """Queue an op whose writes ``mirror`` already accounts for: only the fresh storages
+        it declares as outputs, or a storage the caller dropped from ``mirror``."""
         if self._dead is not None:
             raise self._dead
         self.ops_sent += 1
@@ -408,6 +419,8 @@ class Runtime:
 
     def call_sync(self, name: str, args, kwargs):
         with self.lock:
+            if self.mirror:  # (an op run with a reply may write into its arguments)
+                self.mirror.clear()
             reply = self.request(CallSync(seq=self.next_seq(), name=name, args=list(args), kwargs=kwargs))
             return reply.value
 
@@ -497,6 +510,8 @@ class Runtime:
         log keeps a reference to it instead of a copy, until the next sync point or checkpoint."""
         with self.lock:
             self._check_alive()
+            if self.mirror:
+                self.mirror.pop(storage_id, None)
             total = data.nbytes
             if total <= COPY_PAYLOAD_BELOW:
                 self.enqueue(self.conn.send(Write(seq=self.next_seq(), storage_id=storage_id,
