@@ -91,3 +91,70 @@ def test_off_switch(device, monkeypatch):
     before = _round_trips()
     assert mask.all().item() is True
     assert _round_trips() == before + 1
+
+
+@pytest.mark.parametrize("value", [1.5, float("inf"), float("-inf"), float("nan")])
+def test_a_nan_or_inf_check_of_a_loss_costs_one_round_trip(device, value):
+    """transformers' Trainer checks every step's loss with ``torch.isnan(loss) or
+    torch.isinf(loss)``: the first read brings the loss along, the second test is answered
+    from it."""
+    x = torch.tensor([value, 2.0]).to(device)
+    for attempt in range(2):  # (the first pass learns the ops' output layouts)
+        loss = (x * 1.0).sum()
+        before = _round_trips()
+        flagged = bool(torch.isnan(loss) or torch.isinf(loss))
+        trips = _round_trips() - before
+        assert flagged is (value != 1.5)
+        assert str(loss.item()) == str(float(torch.tensor([value, 2.0]).sum()))
+        assert bool(torch.isinf(loss)) is (abs(value) == float("inf"))
+        assert bool(torch.isnan(loss)) is (value != value)
+    assert trips == 1
+
+
+def test_repeated_reads_of_a_small_result_cost_one_round_trip(device):
+    x = torch.randn(64).to(device)
+    loss = (x * x).mean()
+    before = _round_trips()
+    first = loss.item()
+    assert loss.item() == first and float(loss) == first and loss.tolist() == first
+    assert _round_trips() == before + 1
+    loss.mul_(2)  # a write: the next read asks the node
+    assert loss.item() == first * 2
+    assert _round_trips() == before + 2
+
+
+def test_writes_elsewhere_keep_what_is_known(device):
+    """Only the storages an op writes are forgotten (from the op's schema): an optimizer
+    step between the upload of a mask and its check does not cost a round trip."""
+    mask = torch.ones(4, 8, dtype=torch.long).to(device)
+    weights = torch.randn(8).to(device)
+    other = torch.zeros(4, dtype=torch.long).to(device)
+    for attempt in range(2):  # (the first pass learns the ops' output layouts)
+        before = _round_trips()
+        weights.add_(1.0)
+        torch._foreach_mul_([weights], 0.5)
+        torch.add(other, 1, out=other)
+        assert mask.bool().all().item() is True
+    assert _round_trips() == before
+    assert torch.equal(other.cpu(), torch.full((4,), 2))  # written: read from the node
+    assert _round_trips() == before + 1
+    absolute = torch.empty(4, 8, dtype=torch.long, device=device)
+    torch.abs(mask.neg(), out=absolute)  # an out= op of known values (its .out overload)
+    assert torch.equal(absolute.cpu(), torch.ones(4, 8, dtype=torch.long))
+    torch.abs(mask, out=mask[:2])  # writes a view of the mask: the mask is forgotten
+    assert mask.sum().item() == 32
+
+
+def test_an_op_that_writes_what_its_schema_does_not_say(device):
+    """``native_batch_norm`` updates its running statistics, which its schema does not mark
+    as written: a read of them in between must not answer the next read."""
+    torch.manual_seed(0)
+    local = torch.nn.BatchNorm1d(4)
+    remote = torch.nn.BatchNorm1d(4).to(device)
+    x = torch.randn(8, 4)
+    for _ in range(3):
+        local(x)
+        remote(x.to(device))
+        assert torch.equal(remote.running_mean.cpu(), local.running_mean)
+        assert torch.equal(remote.running_var.cpu(), local.running_var)
+        assert remote.num_batches_tracked.item() == local.num_batches_tracked.item()

@@ -376,6 +376,7 @@ class MutatingPlan:
                          if a.is_out and _is_tensor_type(a.type)]
         self.checker = FunctionalPlan(op) if self.out_args else None
         self.numbers = _number_slots(op)
+        self.mirrored_as = mirror.functional_for(op._schema)  # (client/mirror.py)
 
     def __call__(self, op, args, kwargs):
         rt = runtime()
@@ -384,7 +385,14 @@ class MutatingPlan:
         if self.out_args and not self._resize_outs(op, args, kwargs):
             return self._call_sync_outs(op, args, kwargs)
         with rt.lock:
-            rt.submit(rt.conn.encode_op(rt.next_seq(), self.name, args, kwargs, ()))
+            known = None
+            if rt.mirror:
+                if self.mirrored_as is not None:
+                    known = mirror.host_out_values(rt, self.mirrored_as, args, kwargs)
+                mirror.forget_args(rt, args, kwargs)
+            rt.submit_fresh(rt.conn.encode_op(rt.next_seq(), self.name, args, kwargs, ()))
+            if known is not None:
+                mirror.remember(rt, kwargs["out"], known, bit_exact=True)
         if self.single:
             source = self.sources[0]
             return _get_arg(args, kwargs, *source) if source else None
@@ -453,8 +461,7 @@ class FunctionalPlan:
         # (``arange``'s sizes come from its Scalars)
         tensors, scalars = _slot_kinds(op)
         self.by_class, self.by_kind = tensors, scalars
-        # fresh results, but also writes into arguments (``native_batch_norm``'s running stats)
-        self.writes_args = any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+        self.known_values = self.name in mirror.OPS  # (client/mirror.py)
 
     def outputs(self, op, args, kwargs):
         try:
@@ -528,9 +535,15 @@ class FunctionalPlan:
         entry = self.outputs(op, args, kwargs)
         if entry is SYNC or entry is None:
             return _call_sync(op, self.name, args, kwargs)
-        tensors = submit_with_outputs(self.name, args, kwargs, entry.specs, self.writes_args)
         template = entry.template
+        values = None
+        if self.known_values and template == 0:  # (before the args' mirrors are dropped)
+            rt = runtime()
+            values = mirror.host_values(rt, self.name, op, args, kwargs) if rt.mirror else None
+        tensors = submit_with_outputs(self.name, args, kwargs, entry.specs)
         if template == 0:
+            if self.known_values:
+                mirror.after_op(runtime(), self.name, args, tensors[0], values)
             return tensors[0]
         return _build(template, tensors, args, kwargs)
 
@@ -540,10 +553,9 @@ def output_spec(sizes, strides, dtype) -> tuple:
     return sizes, strides, dtype, DTYPE_CODE[dtype], _storage_nbytes(sizes, strides, dtype.itemsize)
 
 
-def submit_with_outputs(name: str, args, kwargs, specs, writes_args: bool = False) -> list:
+def submit_with_outputs(name: str, args, kwargs, specs) -> list:
     """Queue op ``name`` whose fresh results have the layouts ``specs`` (see ``output_spec``);
-    return the client tensors for them at once, without waiting for the node. ``writes_args``:
-    the op also writes into some of its arguments."""
+    return the client tensors for them at once, without waiting for the node."""
     rt = runtime()
     with rt.lock:
         tensors = []
@@ -552,11 +564,9 @@ def submit_with_outputs(name: str, args, kwargs, specs, writes_args: bool = Fals
             sid = rt.reserve(nbytes)
             tensors.append(wrap_storage(rt, sid, nbytes, sizes, strides, dtype))
             outs.append((sid, nbytes, sizes, strides, code))
-        frame = rt.conn.encode_op(rt.next_seq(), name, args, kwargs, outs)
-        if writes_args:
-            rt.submit(frame)
-        else:
-            rt.submit_fresh(frame)
+        if rt.mirror:
+            mirror.forget_args(rt, args, kwargs)
+        rt.submit_fresh(rt.conn.encode_op(rt.next_seq(), name, args, kwargs, outs))
     return tensors
 
 
@@ -672,6 +682,7 @@ class DirectPlan:
         self._op = op if isinstance(op, torch._ops.OpOverload) else None
         self._checker = None
         self.local = False  # set once the op is seen to run on the client alone
+        self.known_values = self.name in mirror.OPS  # (client/mirror.py)
 
     @property
     def op(self):
@@ -728,7 +739,9 @@ class DirectPlan:
             rt = runtime()
         if self.inplace:
             with rt.lock:
-                rt.submit(rt.conn.encode_op(rt.next_seq(), self.name, args, kwargs, ()))
+                if rt.mirror:
+                    mirror.forget_args(rt, args, kwargs)
+                rt.submit_fresh(rt.conn.encode_op(rt.next_seq(), self.name, args, kwargs, ()))
             if self.source is None:
                 return None
             return args[0] if self.source[0] == 0 and args else _get_arg(args, kwargs, *self.source)
@@ -741,8 +754,9 @@ class DirectPlan:
                 t = wrap_storage(rt, storage_id, nbytes, sizes, strides, dtype)
                 rt.submit_fresh(rt.conn.encode_op(rt.next_seq(), self.name, args, kwargs,
                                                   ((storage_id, nbytes, sizes, strides, code),)))
-                if rt.mirror and self.name in mirror.OPS:
-                    mirror.propagate(rt, self.op, args, kwargs, t)
+                if self.known_values:  # (structured: writes nothing but ``t``)
+                    mirror.after_op(rt, self.name, args, t,
+                                    mirror.host_values(rt, self.name, self.op, args, kwargs) if rt.mirror else None)
             return t
         return tuple(submit_with_outputs(self.name, args, kwargs, specs))
 
@@ -805,7 +819,9 @@ class DirectPlan:
         if self.inplace:
             rt = runtime()
             with rt.lock:
-                rt.submit(rt.conn.encode_op(rt.next_seq(), self.name, args, kwargs, ()))
+                if rt.mirror:
+                    mirror.forget_args(rt, args, kwargs)
+                rt.submit_fresh(rt.conn.encode_op(rt.next_seq(), self.name, args, kwargs, ()))
             return _get_arg(args, kwargs, *self.source) if self.source is not None else None
         tensors = submit_with_outputs(self.name, args, kwargs, specs)
         if self.returns_list:
@@ -1181,13 +1197,13 @@ DOWNLOADS = RecyclingHostTensors(StorageCache(max_bytes=1 << 30, min_bytes=8 << 
 
 
 def download(src: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
-    """Device → host: a CPU tensor with ``src``'s values (one round trip). The bytes are
-    received straight into ``into`` (a contiguous CPU tensor of the same shape and dtype)
-    or into a new tensor."""
+    """Device → host: a CPU tensor with ``src``'s values (one round trip, none when the client
+    knows them: ``client/mirror.py``). The bytes are received straight into ``into`` (a
+    contiguous CPU tensor of the same shape and dtype) or into a new tensor."""
     rt = runtime()
     if rt.mirror:
         known = mirror.host_view(rt, src)
-        if known is not None:  # values this client computed: no round trip
+        if known is not None:
             if into is None:
                 return known.clone(memory_format=torch.contiguous_format)
             return into.copy_(known)
@@ -1200,7 +1216,17 @@ def download(src: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tenso
         # (a one-element diagonal, an expand), and view(uint8) needs stride 1
         flat = host.as_strided((host.numel(),), (1,))
         target = memoryview(flat.view(torch.uint8).numpy()) if nbytes else None
-        rt.read(storage_id_of(src), src.storage_offset() * src.element_size(), nbytes, into=target)
+        along = rt.read_along.pop(storage_id_of(src), None) if rt.read_along else None
+        if along is not None and nbytes:
+            along_host = torch.empty(along.shape, dtype=along.dtype)
+            rt.read_many([(storage_id_of(src), src.storage_offset() * src.element_size(), nbytes, target),
+                          (storage_id_of(along), 0, along_host.numel() * along_host.element_size(),
+                           memoryview(along_host.view(-1).view(torch.uint8).numpy()))])
+            mirror.remember_read(rt, along, along_host)
+        else:
+            rt.read(storage_id_of(src), src.storage_offset() * src.element_size(), nbytes, into=target)
+        if nbytes <= mirror.MAX_BYTES:
+            mirror.remember_read(rt, src, host)
     return host
 
 

@@ -10,16 +10,21 @@ branches on it (to drop an all-ones mask and take the fused attention kernel), a
 trip in each training step besides reading the loss; at 10 ms of network latency that is
 10 ms a step. The mask was uploaded from the host a few ops earlier, so its values are known.
 
-What is mirrored: a storage filled whole by an upload of integer/boolean host data, or by an
-op of ``OPS`` (exact on every device: comparisons, ``all``/``any``, logical ops, integer
-sums, dtype copies between integer/boolean types) whose every tensor argument is mirrored; at
-most ``MAX_BYTES`` a storage, ``MAX_ENTRIES`` in all. The mirrored op still runs on the node.
+What is mirrored: a storage filled whole by an upload of integer/boolean host data, by an op
+of ``OPS`` (exact on every device: comparisons, ``all``/``any``, logical ops, NaN/inf tests,
+integer sums, dtype copies between integer/boolean types) whose every tensor argument is
+mirrored, or by what a read brought back from the node (exact bytes, any dtype); at most
+``MAX_BYTES`` a storage, ``MAX_ENTRIES`` in all. The mirrored op still runs on the node. A
+read of a tiny test's result (``torch.isnan(loss)``) brings its tiny argument along in the
+same round trip, so the next test of it (``torch.isinf(loss)``) is answered here.
 
-Why it stays true: the runtime empties the table whenever it queues a command that may write
-into an existing storage (``Runtime.submit``: in-place, out=, resizes; ``call_sync``), and
-drops a storage's entry when bytes are written into it (``Runtime.write``) or a device copy
-writes into it; only ops that write nothing but their declared fresh outputs (and those
-copies) are queued with ``submit_fresh``. Storage ids
+Why it stays true: an op can only write what it is given, so queuing an op drops the entries
+of every storage among its arguments (``forget_args``; schemas are not trusted for this:
+``native_batch_norm`` writes its running statistics unannounced) — except structured ops
+(``DirectPlan``), whose generated schemas list every write, when they are functional; a
+write of bytes (``Runtime.write``) or a device copy drops its target; anything else
+(``Runtime.submit``: resizes, generator commands; ``call_sync``) empties the table. Those
+that accounted for their writes queue with ``submit_fresh``. Storage ids
 are never reused within a session, so an entry cannot outlive its storage's identity.
 """
 
@@ -39,14 +44,58 @@ MAX_ENTRIES = 256
 
 _EXACT = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 
-# results exact on every device for integer/boolean arguments
-OPS = frozenset({
+# exact on every device whatever the dtype (comparisons and tests give the same booleans)
+_ANY_DTYPE = frozenset({
     "aten::eq.Scalar", "aten::ne.Scalar", "aten::lt.Scalar", "aten::le.Scalar", "aten::gt.Scalar",
     "aten::ge.Scalar", "aten::eq.Tensor", "aten::ne.Tensor", "aten::lt.Tensor", "aten::le.Tensor",
     "aten::gt.Tensor", "aten::ge.Tensor", "aten::all", "aten::all.dim", "aten::all.dims", "aten::any",
     "aten::any.dim", "aten::any.dims", "aten::logical_not", "aten::logical_and", "aten::logical_or",
-    "aten::logical_xor", "aten::bitwise_not", "aten::sum", "aten::sum.dim_IntList",
+    "aten::logical_xor", "aten::isnan", "aten::isinf", "aten::isposinf", "aten::isneginf", "aten::signbit",
+    "aten::abs", "aten::neg",  # (``isinf`` is ``abs(x) == inf``)
 })
+# exact for integer/boolean arguments only (a float sum depends on the order of additions)
+_EXACT_ARGS_ONLY = frozenset({"aten::bitwise_not", "aten::sum", "aten::sum.dim_IntList"})
+OPS = _ANY_DTYPE | _EXACT_ARGS_ONLY
+# one-argument tests whose tiny argument is worth reading along with the result: Trainer's
+# ``torch.isnan(loss) or torch.isinf(loss)`` then costs one round trip, not two
+_PREDICATES = frozenset({"aten::isnan", "aten::isinf", "aten::isposinf", "aten::isneginf", "aten::signbit",
+                         "aten::logical_not", "aten::eq.Scalar", "aten::ne.Scalar", "aten::lt.Scalar",
+                         "aten::le.Scalar", "aten::gt.Scalar", "aten::ge.Scalar"})
+TINY = 64  # bytes: a loss, a norm, a few flags
+
+
+def forget_args(rt, args, kwargs) -> None:
+    """Drop the mirrors of every storage an op is given, before it is queued: whatever its
+    schema says (``native_batch_norm`` writes its running statistics unannounced), an op can
+    only write what it is given."""
+    mirror = rt.mirror
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            mirror.pop(value.untyped_storage().data_ptr(), None)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    mirror.pop(item.untyped_storage().data_ptr(), None)
+
+
+def functional_for(schema):
+    """The functional op of ``OPS`` an out= overload computes (``abs.out`` -> ``abs``), or None."""
+    name, overload = schema.name, schema.overload_name
+    if not name.startswith("aten::") or not (overload == "out" or overload.endswith("_out")):
+        return None
+    base = overload[:-4] if overload.endswith("_out") else ""
+    qualified = f"{name}.{base}" if base else name
+    if qualified not in OPS:
+        return None
+    packet = getattr(torch.ops.aten, name[len("aten::"):])
+    return qualified, getattr(packet, base or "default")
+
+
+def host_out_values(rt, functional, args, kwargs):
+    """Before an out= op of ``functional_for`` is queued: its result computed on the host
+    copies of its inputs, or None (an input not mirrored)."""
+    name, op = functional
+    return host_values(rt, name, op, args, {k: v for k, v in kwargs.items() if k != "out"})
 
 
 def host_view(rt, t: torch.Tensor) -> torch.Tensor | None:
@@ -57,36 +106,73 @@ def host_view(rt, t: torch.Tensor) -> torch.Tensor | None:
     return torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.shape, t.stride())
 
 
-def remember(rt, t: torch.Tensor, values: torch.Tensor) -> None:
-    """Record ``values`` (a CPU tensor, converted as ``copy_`` converts) as the contents of
-    device tensor ``t``, when ``t`` fills its whole storage and both dtypes are exact."""
-    if (not ENABLED or t.dtype not in _EXACT or values.dtype not in _EXACT or t.storage_offset() or not t.is_contiguous()
-            or t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.numel() * t.element_size() > MAX_BYTES):
-        return
-    host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
-    host.copy_(values)
+def _whole(t: torch.Tensor) -> bool:
+    nbytes = t.numel() * t.element_size()
+    return (not t.storage_offset() and t.is_contiguous() and t.untyped_storage().nbytes() == nbytes
+            and nbytes <= MAX_BYTES)
+
+
+def _store(rt, t: torch.Tensor, host: torch.Tensor) -> None:
     mirror = rt.mirror
     if len(mirror) >= MAX_ENTRIES:
         mirror.clear()
     mirror[t.untyped_storage().data_ptr()] = host.untyped_storage()
 
 
-def propagate(rt, op, args, kwargs, result: torch.Tensor) -> None:
-    """After a functional op of ``OPS`` was queued: when every device tensor among its
-    arguments is mirrored, run it on the host copies and mirror ``result`` too."""
+def remember(rt, t: torch.Tensor, values: torch.Tensor, bit_exact: bool = False) -> None:
+    """Record ``values`` (a CPU tensor, converted as ``copy_`` converts) as the contents of
+    device tensor ``t``, when ``t`` fills its whole storage and both dtypes are exact (or the
+    caller knows ``values`` are what any device computes: ``bit_exact``, real dtypes)."""
+    if not ENABLED or not _whole(t):
+        return
+    if not (t.dtype in _EXACT and values.dtype in _EXACT) and not (
+            bit_exact and not t.dtype.is_complex and t.dtype == values.dtype):
+        return
+    host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+    host.copy_(values)
+    _store(rt, t, host)
+
+
+def remember_read(rt, t: torch.Tensor, host: torch.Tensor) -> None:
+    """Record what was just read of device tensor ``t`` (its exact bytes, any dtype) in the
+    contiguous CPU tensor ``host``, when ``t`` fills its whole storage."""
+    if ENABLED and _whole(t) and not t.is_conj() and not t.is_neg():
+        _store(rt, t, host.clone())
+
+
+def after_op(rt, name: str, args, result: torch.Tensor, values) -> None:
+    """After a functional op of ``OPS`` was queued: mirror ``result`` from ``values`` (what
+    ``host_values`` computed before), else note a tiny predicate's argument to read along
+    with the result."""
+    if values is not None:
+        if values.shape == result.shape and values.dtype == result.dtype:
+            remember(rt, result, values, bit_exact=name in _ANY_DTYPE)
+        return
+    if ENABLED and name in _PREDICATES and args and isinstance(args[0], torch.Tensor):
+        first = args[0]
+        if wire.on_device(first) and first.numel() * first.element_size() <= TINY and _whole(first):
+            along = rt.read_along
+            if len(along) >= MAX_ENTRIES:
+                along.clear()
+            along[result.untyped_storage().data_ptr()] = first
+
+
+def host_values(rt, name: str, op, args, kwargs):
+    """``op`` (of ``OPS``) run on the host copies of its device arguments, or None if one is
+    unknown (or of a dtype for which the op is not exact on every device)."""
+    any_dtype = name in _ANY_DTYPE
     host_args = []
     for value in args:
         if isinstance(value, torch.Tensor) and wire.on_device(value):
             value = host_view(rt, value)
-            if value is None:
-                return
+            if value is None or value.dtype.is_complex or (not any_dtype and value.dtype not in _EXACT):
+                return None
         host_args.append(value)
     for value in kwargs.values():
         if isinstance(value, torch.Tensor) and wire.on_device(value):
-            return
+            return None
     try:
         values = op(*host_args, **kwargs)
     except Exception:  # noqa: BLE001 - the node's run decides; nothing is mirrored
-        return
-    if isinstance(values, torch.Tensor) and values.shape == result.shape and values.dtype == result.dtype:
-        remember(rt, result, values)
+        return None
+    return values if isinstance(values, torch.Tensor) else None

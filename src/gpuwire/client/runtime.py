@@ -116,6 +116,9 @@ class Runtime:
         # storage id -> CPU storage with the same bytes, for small integer/boolean tensors whose
         # values the client knows (``client/mirror.py``); emptied by anything that may write
         self.mirror: dict = {}
+        # storage id of a tiny predicate result -> the tiny tensor it was computed from, read
+        # along with it (``mirror.note_input``)
+        self.read_along: dict = {}
         self.bytes_sent = 0
         self.bytes_received = 0
         self._queue: list = []
@@ -549,11 +552,18 @@ class Runtime:
             if nbytes == 0:
                 self.request(Sync(seq=self.next_seq()))
                 return out
-            error = self._read_many([(storage_id, byte_offset, nbytes, out)])
+            self.read_many([(storage_id, byte_offset, nbytes, out)])
+            return out
+
+    def read_many(self, reads) -> None:
+        """Several (storage id, byte offset, nbytes, destination memoryview of bytes) reads in
+        one round trip."""
+        with self.lock:
+            self._check_alive()
+            error = self._read_many(reads)
             if error is not None:
                 raise remote_error(error.op, error.seq, error.exc_type, error.message, self.address)
             self.recovery.after_request()
-            return out
 
     def _read_many(self, reads) -> Error | None:
         """One round trip for several (storage id, byte offset, nbytes, destination) reads:
