@@ -386,11 +386,9 @@ class MutatingPlan:
             return self._call_sync_outs(op, args, kwargs)
         with rt.lock:
             known = None
-            if rt.mirror:
-                if self.mirrored_as is not None:
-                    known = mirror.host_out_values(rt, self.mirrored_as, args, kwargs)
-                mirror.forget_args(rt, args, kwargs)
-            rt.submit_fresh(rt.conn.encode_op(rt.next_seq(), self.name, args, kwargs, ()))
+            if rt.mirror and self.mirrored_as is not None:
+                known = mirror.host_out_values(rt, self.mirrored_as, args, kwargs)
+            queue_op(rt, self.name, args, kwargs)
             if known is not None:
                 mirror.remember(rt, kwargs["out"], known, bit_exact=True)
         if self.single:
@@ -564,10 +562,17 @@ def submit_with_outputs(name: str, args, kwargs, specs) -> list:
             sid = rt.reserve(nbytes)
             tensors.append(wrap_storage(rt, sid, nbytes, sizes, strides, dtype))
             outs.append((sid, nbytes, sizes, strides, code))
-        if rt.mirror:
-            mirror.forget_args(rt, args, kwargs)
-        rt.submit_fresh(rt.conn.encode_op(rt.next_seq(), name, args, kwargs, outs))
+        queue_op(rt, name, args, kwargs, outs)
     return tensors
+
+
+def queue_op(rt: Runtime, name: str, args, kwargs, outs=()) -> None:
+    """Queue op ``name`` (results declared in ``outs``). An op can write only what it is
+    given: the client forgets the values it knew of every storage among the arguments
+    (``client/mirror.py``; schemas are not trusted for this)."""
+    if rt.mirror:
+        mirror.forget_args(rt, args, kwargs)
+    rt.submit_fresh(rt.conn.encode_op(rt.next_seq(), name, args, kwargs, outs))
 
 
 def _signature(values):
@@ -739,9 +744,7 @@ class DirectPlan:
             rt = runtime()
         if self.inplace:
             with rt.lock:
-                if rt.mirror:
-                    mirror.forget_args(rt, args, kwargs)
-                rt.submit_fresh(rt.conn.encode_op(rt.next_seq(), self.name, args, kwargs, ()))
+                queue_op(rt, self.name, args, kwargs)
             if self.source is None:
                 return None
             return args[0] if self.source[0] == 0 and args else _get_arg(args, kwargs, *self.source)
@@ -819,9 +822,7 @@ class DirectPlan:
         if self.inplace:
             rt = runtime()
             with rt.lock:
-                if rt.mirror:
-                    mirror.forget_args(rt, args, kwargs)
-                rt.submit_fresh(rt.conn.encode_op(rt.next_seq(), self.name, args, kwargs, ()))
+                queue_op(rt, self.name, args, kwargs)
             return _get_arg(args, kwargs, *self.source) if self.source is not None else None
         tensors = submit_with_outputs(self.name, args, kwargs, specs)
         if self.returns_list:
