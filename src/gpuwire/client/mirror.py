@@ -100,9 +100,10 @@ def host_out_values(rt, functional, args, kwargs):
 
 def host_view(rt, t: torch.Tensor) -> torch.Tensor | None:
     """A CPU tensor with the values of device tensor ``t``, or None when they are not known."""
-    storage = rt.mirror.get(t.untyped_storage().data_ptr())
-    if storage is None or t.is_conj() or t.is_neg():
-        return None
+    device_storage = t.untyped_storage()
+    storage = rt.mirror.get(device_storage.data_ptr())
+    if storage is None or t.is_conj() or t.is_neg() or storage.nbytes() != device_storage.nbytes():
+        return None  # (a storage resized in place is not the one mirrored)
     return torch.empty(0, dtype=t.dtype).set_(storage, t.storage_offset(), t.shape, t.stride())
 
 
