@@ -164,6 +164,20 @@ def test_sparse_tensors_fail_with_a_message_that_says_what_to_do(device):
     ("new_ones", lambda t, d: t.new_ones((3, 2), dtype=torch.int32)),
     ("zeros", lambda t, d: torch.zeros(5, 3, device=d)),
     ("ones", lambda t, d: torch.ones(5, dtype=torch.int64, device=d)),
+    ("full", lambda t, d: torch.full((2, 3), 2.5, device=d)),
+    ("full of an int", lambda t, d: torch.full((4,), 7, device=d)),
+    ("full of a bool", lambda t, d: torch.full((1,), False, device=d)),
+    ("full, 0-dim -inf", lambda t, d: torch.full((), float("-inf"), device=d)),
+    ("new_full", lambda t, d: t.new_full((3,), 4)),
+    ("scalar_tensor", lambda t, d: torch.scalar_tensor(3, device=d)),
+    ("arange", lambda t, d: torch.arange(10, device=d)),
+    ("arange start step", lambda t, d: torch.arange(2, 11, 3, device=d)),
+    ("arange of floats", lambda t, d: torch.arange(0.0, 1.0, 0.1, device=d)),
+    ("arange backwards", lambda t, d: torch.arange(5, 1, -1, device=d)),
+    ("arange, empty", lambda t, d: torch.arange(0, device=d)),
+    ("arange in half", lambda t, d: torch.arange(3, dtype=torch.float16, device=d)),
+    ("linspace", lambda t, d: torch.linspace(0, 1, 7, device=d)),
+    ("eye", lambda t, d: torch.eye(2, 4, device=d)),
 ])
 def test_small_fills_and_copies_are_one_message_with_no_allocation(device, name, make):
     # PyTorch decomposes these into ``empty`` + a fill or copy on a PrivateUse1 device: two
@@ -185,6 +199,42 @@ def test_small_fills_and_copies_are_one_message_with_no_allocation(device, name,
     assert (sent, allocations) == (1, [])
     assert got.stride() == expected.stride() and got.dtype == expected.dtype
     assert torch.equal(got.cpu(), expected)
+
+
+@pytest.mark.parametrize("name, make", [
+    ("rand", lambda d, g: torch.rand(5, device=d)),
+    ("randn", lambda d, g: torch.randn(2, 3, device=d)),
+    ("randint low high", lambda d, g: torch.randint(0, 9, (7,), device=d)),
+    ("randint high", lambda d, g: torch.randint(9, (7,), device=d)),
+    ("randperm", lambda d, g: torch.randperm(12, device=d)),
+    ("randn with a generator", lambda d, g: torch.randn(3, generator=g, device=d)),
+])
+def test_small_random_factories_are_one_message_and_draw_what_cpu_draws(device, name, make):
+    rt = gpuwire.client.device.current_runtime()
+    generator = torch.Generator(device=device).manual_seed(5)
+    gpuwire.synchronize()
+    allocate = rt.allocate
+    allocations = []
+    rt.allocate = lambda nbytes: allocations.append(nbytes) or allocate(nbytes)
+    try:
+        torch.manual_seed(11)
+        before = rt.ops_sent
+        got = make(device, generator)
+        sent = rt.ops_sent - before
+    finally:
+        del rt.allocate
+    torch.manual_seed(11)
+    expected = make("cpu", torch.Generator().manual_seed(5))
+    assert (sent, allocations) == (1, [])
+    assert got.dtype == expected.dtype and torch.equal(got.cpu(), expected)
+
+
+def test_factory_arguments_that_make_no_tensor_fail_like_cpu(device):
+    with pytest.raises(RuntimeError, match="step must be nonzero"):
+        torch.arange(0, 10, 0, device=device).cpu()
+    with pytest.raises(RuntimeError, match="negative dimension"):
+        torch.full((-1,), 1.0, device=device).cpu()
+    assert torch.equal(torch.arange(3, device=device).cpu(), torch.arange(3))  # and the session goes on
 
 
 def test_large_fills_and_copies_keep_the_allocation_path(device):

@@ -17,6 +17,8 @@ local CPU run does, returning the scaled mask for the backward): 1 message inste
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import device as _device
@@ -200,22 +202,14 @@ def register(aten_library: torch.library.Library) -> None:
 
 
 # Composites that reach a PrivateUse1 backend as ``empty`` + a fill or copy: two messages, an
-# Alloc and the op. Sent whole they are one, and the node's own kernel makes the result. Only
-# below the size from which the CPU backend's node reuses freed blocks for an Alloc
-# (``_memory``: 1 MiB): above it the Alloc lands in a warm block, where a fresh kernel output
-# would be faulted in page by page.
+# Alloc and the op (``arange``: three dispatches, ``empty(0)``, ``resize_`` and ``arange.out``).
+# Sent whole they are one, and the node's own kernel makes the result (the random factories
+# run the same ``empty`` + draw there, so they draw what a local run draws). Only below the size
+# from which the CPU backend's node reuses freed blocks for an Alloc (``_memory``: 1 MiB):
+# above it the Alloc lands in a warm block, where a fresh kernel output would be faulted in
+# page by page.
 WHOLE_BELOW = 1 << 20
-_SMALL_COMPOSITES = {
-    # op -> how to find the result's element count and dtype from (args, kwargs)
-    "clone": lambda a, k: (a[0].numel(), a[0].dtype),
-    "zeros_like": lambda a, k: (a[0].numel(), k.get("dtype") or a[0].dtype),
-    "ones_like": lambda a, k: (a[0].numel(), k.get("dtype") or a[0].dtype),
-    "full_like": lambda a, k: (a[0].numel(), k.get("dtype") or a[0].dtype),
-    "new_zeros": lambda a, k: (_count(a[1]), k.get("dtype") or a[0].dtype),
-    "new_ones": lambda a, k: (_count(a[1]), k.get("dtype") or a[0].dtype),
-    "zeros": lambda a, k: (_count(a[0]), k.get("dtype") or torch.get_default_dtype()),
-    "ones": lambda a, k: (_count(a[0]), k.get("dtype") or torch.get_default_dtype()),
-}
+_WIDEST = 16  # bytes an element may take when a factory's dtype is left to its fill value
 
 
 def _count(sizes) -> int:
@@ -225,11 +219,66 @@ def _count(sizes) -> int:
     return n
 
 
-def _whole_when_small(op, composite, result_size):
+def _like(a, k):
+    return a[0].numel() * (k.get("dtype") or a[0].dtype).itemsize
+
+
+def _sized(size_index: int):
+    def nbytes(a, k):
+        dtype = k.get("dtype")
+        return _count(a[size_index]) * (dtype.itemsize if dtype is not None else _WIDEST)
+    return nbytes
+
+
+def _new_sized(a, k):
+    return _count(a[1]) * (k.get("dtype") or a[0].dtype).itemsize
+
+
+def _arange_bytes(start, end, step, k) -> int:
+    dtype = k.get("dtype")
+    return max(math.ceil((float(end) - float(start)) / float(step)), 0) * (dtype.itemsize if dtype else _WIDEST)
+
+
+_SMALL_COMPOSITES = {
+    # op overload -> the bytes of its result from (args, kwargs), an upper bound where the
+    # dtype follows a fill value
+    "clone": lambda a, k: a[0].numel() * a[0].dtype.itemsize,
+    "zeros_like": _like,
+    "ones_like": _like,
+    "full_like": _like,
+    "rand_like": _like,
+    "randn_like": _like,
+    "randint_like": _like,
+    "new_zeros": _new_sized,
+    "new_ones": _new_sized,
+    "new_full": _new_sized,
+    "zeros": _sized(0),
+    "ones": _sized(0),
+    "full": _sized(0),
+    "rand": _sized(0),
+    "rand.generator": _sized(0),
+    "randn": _sized(0),
+    "randn.generator": _sized(0),
+    "randint": _sized(1),
+    "randint.generator": _sized(1),
+    "randint.low": _sized(2),
+    "randint.low_generator": _sized(2),
+    "randperm": lambda a, k: int(a[0]) * 8,
+    "randperm.generator": lambda a, k: int(a[0]) * 8,
+    "scalar_tensor": lambda a, k: _WIDEST,
+    "arange": lambda a, k: _arange_bytes(0, a[0], 1, k),
+    "arange.start": lambda a, k: _arange_bytes(a[0], a[1], 1, k),
+    "arange.start_step": lambda a, k: _arange_bytes(a[0], a[1], a[2] if len(a) > 2 else 1, k),
+    "linspace": lambda a, k: int(a[2]) * _WIDEST,
+    "eye": lambda a, k: int(a[0]) ** 2 * _WIDEST,
+    "eye.m": lambda a, k: int(a[0]) * int(a[1]) * _WIDEST,
+}
+
+
+def _whole_when_small(op, composite, result_bytes):
     def kernel(keyset, *args, **kwargs):
         try:
-            numel, dtype = result_size(args, kwargs)
-            small = numel * dtype.itemsize < WHOLE_BELOW
+            small = result_bytes(args, kwargs) < WHOLE_BELOW
         except Exception:  # noqa: BLE001 - odd arguments: PyTorch's own path raises its own error
             small = False
         if small:
@@ -239,11 +288,12 @@ def _whole_when_small(op, composite, result_size):
 
 
 def _register_small_composites(aten_library: torch.library.Library) -> None:
-    for name, result_size in _SMALL_COMPOSITES.items():
-        op = getattr(torch.ops.aten, name).default
+    for name, result_bytes in _SMALL_COMPOSITES.items():
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet), overload or "default")
         composite = torch._C._dispatch_get_computed_kernel_for_dispatch_key(
             f"aten::{name}", torch._C.DispatchKey.PrivateUse1)
-        aten_library.impl(name, _whole_when_small(op, composite, result_size), "PrivateUse1", with_keyset=True)
+        aten_library.impl(name, _whole_when_small(op, composite, result_bytes), "PrivateUse1", with_keyset=True)
 
 
 def _whole(op):
