@@ -206,3 +206,44 @@ def test_dataloader_workers_under_gpuwire_run(node, tmp_path):
     result = gpuwire("run", "-q", "--node", node.address, "--", sys.executable, str(script))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "total 10416.0" in result.stdout
+
+
+THREADED_SCRIPT = textwrap.dedent("""
+    import sys, tempfile, threading
+    from concurrent.futures import ThreadPoolExecutor
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    gpu = sys.argv[1] == "gpu"
+    device = "cuda" if gpu else "cpu"
+    torch.manual_seed(0)
+    host = [torch.randn(64, 32) for _ in range(6)]
+    with ThreadPoolExecutor(3) as pool:  # "cuda" in pool threads
+        moved = list(pool.map(lambda t: (t.to(device) * 2).sum(0), host))
+    class Worker(threading.Thread):  # a Thread subclass with its own run()
+        def run(self):
+            self.result = torch.ones(3, device=device).cumsum(0)
+    worker = Worker(); worker.start(); worker.join()
+    print("devices", sorted({str(t.device) for t in moved} | {str(worker.result.device)}))
+    print("values", [repr(t.sum().item()) for t in moved], worker.result.tolist())
+    # transformers loads checkpoint shards on a thread pool when given a device_map
+    cfg = GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0)
+    saved = tempfile.mkdtemp()
+    GPT2LMHeadModel(cfg).save_pretrained(saved)
+    model = GPT2LMHeadModel.from_pretrained(saved, device_map=device)
+    ids = torch.arange(8).view(1, 8).to(device)
+    print("model", next(model.parameters()).device, repr(model(ids).logits.sum().item()))
+""")
+
+
+def test_cuda_in_threads_the_program_starts(node, tmp_path):
+    # PyTorch keeps its function-mode stack per thread: a thread without gpuwire's mode would
+    # send "cuda" to PyTorch's real (absent) CUDA backend
+    script = tmp_path / "threads.py"
+    script.write_text(THREADED_SCRIPT)
+    remote = gpuwire("run", "--node", node.address, "--", sys.executable, str(script), "gpu")
+    local = python(str(script), "cpu")
+    assert remote.returncode == 0, remote.stderr[-3000:]
+    assert local.returncode == 0, local.stderr[-3000:]
+    assert "devices ['cuda:0']" in remote.stdout and "model cuda:0" in remote.stdout
+    assert re.findall(r"values .*", remote.stdout) == re.findall(r"values .*", local.stdout)
+    assert re.search(r"model \S+ (\S+)", remote.stdout).group(1) == re.search(r"model \S+ (\S+)", local.stdout).group(1)

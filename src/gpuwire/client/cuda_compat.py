@@ -17,8 +17,9 @@ under ``gpuwire run``). What it changes, and why each is needed:
   autocast kernels follow CUDA's op lists (``client.autocast``);
 * ``torch.load(map_location="cuda")`` and checkpoints saved on a CUDA machine load onto gpuwire.
 
-The mode is per thread (PyTorch keeps the mode stack thread-local): calls from threads the
-program starts later are not rewritten. Things that cannot work say so: CUDA graphs, NCCL,
+PyTorch keeps the mode stack per thread: every thread started through ``threading`` after
+``enable`` (thread pools, data loaders, ``transformers`` loading weights with ``device_map``)
+gets the mode pushed when it starts. Threads started from C/C++ code are not covered. Things that cannot work say so: CUDA graphs, NCCL,
 custom CUDA kernels (see ``docs/compatibility.md``).
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 import types
 
@@ -473,6 +475,22 @@ def _patch_data_parallel() -> None:
     DataParallel.forward = forward
 
 
+def _patch_threads() -> None:
+    """Push the mode in every thread started through ``threading`` from now on: programs and
+    libraries move tensors to ``"cuda"`` from worker threads (``transformers`` loads checkpoint
+    shards in a thread pool when given a ``device_map``), where a thread without the mode would
+    reach PyTorch's real CUDA backend and fail."""
+    original = threading.Thread._bootstrap_inner
+
+    @functools.wraps(original)
+    def bootstrap_inner(self):
+        if _enabled:
+            CudaToGpuwire().__enter__()  # for the life of the thread, as on the main thread
+        original(self)
+
+    threading.Thread._bootstrap_inner = bootstrap_inner
+
+
 def enable() -> None:
     """Turn on CUDA compatibility in this process (idempotent)."""
     global _enabled, _mode, GPUWIRE
@@ -496,6 +514,7 @@ def enable() -> None:
     _patch_compile()
     _patch_data_parallel()
     _patch_distributed()
+    _patch_threads()
     _mode = CudaToGpuwire()
     _mode.__enter__()  # stays on this thread's mode stack for the life of the program
     _enabled = True
