@@ -1431,8 +1431,10 @@ def register() -> None:
     _to_copy_composite = torch._C._dispatch_get_computed_kernel_for_dispatch_key("aten::_to_copy",
                                                                                 DispatchKey.PrivateUse1)
     _aten_library.impl("_to_copy", _to_copy, "PrivateUse1", with_keyset=True)
+    from . import compile as _compile
     from . import fused
     fused.register(_aten_library)
+    _compile.register()
     _register_direct(_aten_library)
     _registered = True
 

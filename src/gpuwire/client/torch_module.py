@@ -43,7 +43,9 @@ def is_initialized() -> bool:
 
 
 def _lazy_init() -> None:
-    _device.runtime()
+    """PyTorch's lazy device initialization (``torch.accelerator.*`` queries, which dynamo makes
+    at every ``torch.compile`` whatever the device): nothing to do before the first op, which
+    connects. Connecting here started an embedded node in programs that never use the device."""
 
 
 def _is_in_bad_fork() -> bool:
