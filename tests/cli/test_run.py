@@ -247,3 +247,20 @@ def test_cuda_in_threads_the_program_starts(node, tmp_path):
     assert "devices ['cuda:0']" in remote.stdout and "model cuda:0" in remote.stdout
     assert re.findall(r"values .*", remote.stdout) == re.findall(r"values .*", local.stdout)
     assert re.search(r"model \S+ (\S+)", remote.stdout).group(1) == re.search(r"model \S+ (\S+)", local.stdout).group(1)
+
+
+def test_tf32_training_arguments_and_the_cuda_version_gate(node, tmp_path):
+    # libraries gate GPU features on a CUDA build: transformers refused --tf32 with
+    # "requires Ampere or a newer GPU arch, cuda>=11"; the flag must then reach the node
+    script = tmp_path / "tf32.py"
+    script.write_text(textwrap.dedent("""
+        import tempfile, torch, gpuwire
+        from transformers import TrainingArguments
+        args = TrainingArguments(output_dir=tempfile.mkdtemp(), tf32=True, report_to=[])
+        torch.ones(1, device="cuda").sum().item()
+        flags = gpuwire.client.device.runtime().query("precision")
+        print("cuda", torch.version.cuda, "device", args.device, "tf32 on node", flags["cuda.matmul.fp32_precision"])
+    """))
+    done = gpuwire("run", "--node", node.address, "--", sys.executable, str(script))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"cuda \d+\.\d+ device cuda:0 tf32 on node tf32", done.stdout), done.stdout

@@ -143,6 +143,7 @@ def test_sigkill_the_node_mid_training_and_the_run_finishes_identically(cluster,
     assert match.group(1) == cluster.nodes[lost].address != match.group(2), stderr[-3000:]
     assert "Traceback" not in stderr
     assert_same_weights(torch.load(out), expected)
+    assert "node precision high" in stdout  # set before the checkpoint: the rebuilt session has it too
 
 
 def test_killed_during_a_bulk_upload_then_during_torch_save(cluster, reference, tmp_path):

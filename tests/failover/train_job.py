@@ -30,6 +30,8 @@ def main() -> None:
     device = torch.device(sys.argv[4] if len(sys.argv) > 4 else "gpuwire")
     save_every = int(os.environ.get("JOB_SAVE_EVERY", "0"))
     upload_at = int(os.environ.get("JOB_UPLOAD_AT", "-1"))
+    torch.backends.cuda.matmul.allow_tf32 = True  # as training scripts do: the node must keep it
+    torch.set_float32_matmul_precision("high")
     model = build(name).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.Generator().manual_seed(1)
@@ -54,6 +56,9 @@ def main() -> None:
             torch.save(model.state_dict(), out + ".mid")
         print(f"step {step} loss {value:.6f}", flush=True)
     torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, out)
+    if device.type == "gpuwire":  # what the node that finished the run computed with
+        import gpuwire
+        print("node precision", gpuwire.client.device.runtime().query("precision")["float32_matmul_precision"])
     print("done", flush=True)
 
 

@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 from . import device as _device
 from .wire import DEVICE_TYPE, on_device
 
+CUDA_RUNTIME_VERSION = "12.8"  # what ``torch.version.cuda`` says under ``gpuwire run`` (see ``enable``)
 _base_device = torch._C.TensorBase.device.__get__
 _base_is_cuda = torch._C.TensorBase.is_cuda.__get__
 _enabled = False
@@ -503,6 +504,11 @@ def enable() -> None:
     # what ``is_initialized`` (above) says; read directly by activation checkpointing, which
     # otherwise does not restore the device's random state before recomputing (dropout masks)
     torch.cuda._initialized = True
+    # libraries gate GPU features on a CUDA build (``torch.version.cuda is not None``):
+    # transformers refuses ``TrainingArguments(tf32=True)`` without one. The client has no
+    # CUDA runtime at all; it reports the version of the CUDA wheels torch 2.x ships by default
+    if torch.version.cuda is None:
+        torch.version.cuda = CUDA_RUNTIME_VERSION
     torch.cuda.graphs.CUDAGraph = _CUDAGraph
     torch.cuda.graphs.graph = _CUDAGraph
     _patch_tensor_device()

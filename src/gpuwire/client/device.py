@@ -30,7 +30,7 @@ import torch
 from torch._C import DispatchKey, DispatchKeySet
 
 from .._memory import RecyclingHostTensors, StorageCache
-from . import mirror, wire
+from . import mirror, precision, wire
 from .errors import ConnectionLost
 from .runtime import Runtime
 from .wire import CODE_DTYPE, DTYPE_CODE
@@ -104,6 +104,7 @@ def _set_runtime(rt: Runtime) -> None:
         for cache in INFERENCE_CACHES:
             cache.clear()
     rt.seed(_pending_seed if _pending_seed is not None else torch.initial_seed())
+    precision.send(rt)  # TF32 / matmul-precision flags set before the session existed
 
 
 def attach(node: str | None = None, *, token: str | None = None) -> Runtime:
@@ -1435,6 +1436,7 @@ def register() -> None:
     from . import fused
     fused.register(_aten_library)
     _compile.register()
+    precision.install()
     _register_direct(_aten_library)
     _registered = True
 

@@ -34,6 +34,7 @@ import time
 from .._io import dial, read_event, send_parts
 from ..protocol import ProtocolError
 from ..protocol.events import Alloc, Query, Reject, Restore, Write
+from . import precision
 from .errors import ConnectionLost
 
 MODES = ("none", "reconnect", "checkpoint")
@@ -282,6 +283,9 @@ class Recovery:
                                             next_node_id=state.get("next_node_id", 0),
                                             last_seq=state.get("last_seq", 0))))
         frames.append(conn.op_definitions(self._snapshot_names))
+        # math-mode flags set before the snapshot are not in the log (sent later: they are)
+        if precision.OP_NAME in conn.defined_op_names[:self._snapshot_names]:
+            frames.append(precision.frame(conn))
         frames.extend(frame for _, frame, _ in self._log)
         self._send(frames)
 

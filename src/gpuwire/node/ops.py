@@ -132,13 +132,97 @@ def _dropout(input, p):
     return input * noise, noise
 
 
-SESSION_OPS = frozenset({"gpuwire::sdpa_keep", "gpuwire::sdpa_backward_kept"})
+# The math-mode setters a client may replay here (``client/precision.py``): process-global
+# flags deciding how kernels compute (TF32, float32 matmul precision, reduced-precision
+# reductions), applied only while the session's own ops run (``Session._run_op``)
+PRECISION_SETTERS = frozenset({
+    "_set_float32_matmul_precision", "_set_cublas_allow_tf32", "_set_cudnn_allow_tf32",
+    "_set_cublas_allow_fp16_reduced_precision_reduction", "_set_cublas_allow_bf16_reduced_precision_reduction",
+    "_set_cpu_allow_fp16_reduced_precision_reduction", "_set_fp32_precision_setter",
+})
+
+
+def _precision_defaults() -> tuple:
+    """Setter calls that put this process's math-mode flags back as they were at start-up
+    (legacy flags first; the per-backend precisions, which the legacy ones also move, last)."""
+    c = torch._C
+    calls = [("_set_float32_matmul_precision", c._get_float32_matmul_precision()),
+             ("_set_cublas_allow_tf32", c._get_cublas_allow_tf32()),
+             ("_set_cudnn_allow_tf32", c._get_cudnn_allow_tf32()),
+             ("_set_cpu_allow_fp16_reduced_precision_reduction", c._get_cpu_allow_fp16_reduced_precision_reduction())]
+    for name in ("_cublas_allow_fp16_reduced_precision_reduction", "_cublas_allow_bf16_reduced_precision_reduction"):
+        value = getattr(c, "_get" + name)()
+        calls.append(("_set" + name, *(value if isinstance(value, tuple) else (value,))))
+    if hasattr(c, "_get_fp32_precision_getter"):
+        for backend in ("generic", "cuda", "mkldnn"):
+            for op in ("all", "matmul", "conv", "rnn"):
+                try:
+                    calls.append(("_set_fp32_precision_setter", backend, op, c._get_fp32_precision_getter(backend, op)))
+                except RuntimeError:  # (a pair this torch does not have)
+                    pass
+    return tuple(calls)
+
+
+PRECISION_DEFAULTS = _precision_defaults()
+APPLIED_PRECISION = [()]  # the session calls now in force ((): the defaults)
+
+
+def apply_precision(calls: tuple) -> None:
+    """Put the flags as the defaults followed by ``calls`` (validated by ``_precision``)."""
+    c = torch._C
+    try:
+        for name, *args in PRECISION_DEFAULTS:
+            getattr(c, name)(*args)
+        for name, *args in calls:
+            getattr(c, name)(*args)
+    finally:
+        APPLIED_PRECISION[0] = calls
+
+
+def math_mode() -> dict:
+    """The flags in force, as their Python-level names read them."""
+    c = torch._C
+    mode = {"float32_matmul_precision": c._get_float32_matmul_precision(),
+            "cuda.matmul.allow_tf32": c._get_cublas_allow_tf32(), "cudnn.allow_tf32": c._get_cudnn_allow_tf32()}
+    if hasattr(c, "_get_fp32_precision_getter"):
+        for backend, op in (("cuda", "matmul"), ("cuda", "conv"), ("mkldnn", "matmul"), ("mkldnn", "conv")):
+            mode[f"{backend}.{op}.fp32_precision"] = c._get_fp32_precision_getter(backend, op)
+    return mode
+
+
+def _precision(calls):
+    """``gpuwire::precision``: the session's math-mode setter calls (``client/precision.py``),
+    checked, tried, and kept for the session's later ops. A meta run (the allocation guard)
+    only checks them."""
+    if type(calls) is not list or len(calls) > 64:
+        raise ValueError("gpuwire::precision takes a list of at most 64 setter calls")
+    checked = []
+    for call in calls:
+        if (type(call) is not list or not call or call[0] not in PRECISION_SETTERS or len(call) > 4
+                or any(type(a) not in (bool, str) or (type(a) is str and len(a) > 32) for a in call[1:])):
+            raise ValueError(f"gpuwire::precision: {call!r} is not a math-mode setter call this node accepts")
+        checked.append(tuple(call))
+    session = getattr(CURRENT, "session", None)
+    if session is None:
+        return None
+    before = session.precision
+    try:
+        apply_precision(tuple(checked))  # torch checks the values; a bad one raises here
+    except Exception:
+        apply_precision(before)
+        raise
+    session.precision = tuple(checked)
+    return None
+
+
+SESSION_OPS = frozenset({"gpuwire::sdpa_keep", "gpuwire::sdpa_backward_kept", "gpuwire::precision"})
 GPUWIRE_OPS = {
     "gpuwire::sdpa": _sdpa,
     "gpuwire::sdpa_backward": _sdpa_backward,
     "gpuwire::sdpa_keep": _sdpa_keep,
     "gpuwire::sdpa_backward_kept": _sdpa_backward_kept,
     "gpuwire::dropout": _dropout,
+    "gpuwire::precision": _precision,
     **COMPOSITE_OPS,
 }
 

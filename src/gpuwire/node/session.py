@@ -43,7 +43,7 @@ from ..protocol.events import (
 from .backend import Backend
 from ..pool.sizes import format_size
 from .composite import tensor_leaves
-from .ops import CURRENT, SESSION_OPS, OpTable
+from .ops import APPLIED_PRECISION, CURRENT, SESSION_OPS, OpTable, apply_precision, math_mode
 
 log = logging.getLogger("gpuwire.node")
 
@@ -175,6 +175,7 @@ class Session:
         # (weak ref to the handle storage, output, inputs, bytes the graph saved)
         self._kept: dict = {}
         self._sweep_kept_above = 64
+        self.precision: tuple = ()  # math-mode setter calls for this session's ops (``ops._precision``)
 
     # ------------------------------------------------------------ decoding hooks
 
@@ -647,6 +648,8 @@ class Session:
         with rng.lock:
             if rng.owner is not self:
                 rng.acquire(self)
+            if self.precision is not APPLIED_PRECISION[0]:  # another session's math-mode flags
+                apply_precision(self.precision)
             if name in SESSION_OPS:
                 CURRENT.session = self
                 try:
@@ -894,6 +897,11 @@ class Session:
                 self.rng.acquire(self)
                 state = self.rng.generator.get_state()
             return bytes(state.numpy().tobytes())
+        if what == "precision":  # the math-mode flags this session's kernels run with
+            with self.rng.lock:
+                if self.precision is not APPLIED_PRECISION[0]:
+                    apply_precision(self.precision)
+                return math_mode()
         if what == "reset_peak":
             self.peak_bytes = self.bytes_in_use
             return None

@@ -1,0 +1,75 @@
+"""Math-mode flags (TF32, float32 matmul precision) set by a program apply where its kernels
+run: on the node, for its own session only, in order with its ops."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import gpuwire
+from gpuwire.node.ops import math_mode
+
+OTHER_SESSION = textwrap.dedent("""
+    import sys, torch, gpuwire
+    gpuwire.attach(sys.argv[1])
+    torch.ones(1, device="gpuwire").sum().item()  # runs an op while the first session's flags are set
+    print(gpuwire.client.device.runtime().query("precision"))
+""")
+
+
+def _node_flags():
+    return gpuwire.client.device.runtime().query("precision")
+
+
+def test_flags_reach_the_node_in_order_and_stay_in_their_session(node, device):
+    defaults = _node_flags()
+    a, b = torch.randn(32, 32), torch.randn(32, 32)
+    saved = torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert _node_flags()["cuda.matmul.allow_tf32"] is True
+        torch.set_float32_matmul_precision("medium")
+        torch.backends.cudnn.allow_tf32 = False
+        flags = _node_flags()
+        assert flags["float32_matmul_precision"] == "medium" and flags["cudnn.allow_tf32"] is False
+        # the same links between the flags as in this process (medium: bf16 for oneDNN matmuls)
+        assert flags == math_mode()
+        assert torch.equal((a.to(device) @ b.to(device)).cpu(), a @ b)  # computed as here
+        # another tenant of the node runs with the node's defaults, not with these
+        env = {k: v for k, v in os.environ.items() if k != "GPUWIRE_NODE"}
+        other = subprocess.run([sys.executable, "-c", OTHER_SESSION, node.address], capture_output=True, text=True,
+                               timeout=120, env=env)
+        assert other.returncode == 0, other.stderr[-3000:]
+        assert other.stdout.strip() == str(defaults)
+        assert _node_flags() == flags  # and this session's come back for its next op
+    finally:
+        torch.set_float32_matmul_precision(saved[0])
+        torch.backends.cuda.matmul.allow_tf32 = saved[1]
+        torch.backends.cudnn.allow_tf32 = True
+    assert _node_flags() == math_mode()  # put back as this process put them back
+
+
+def test_a_new_session_gets_the_flags_set_before_it(node, tmp_path):
+    program = textwrap.dedent("""
+        import sys, torch, gpuwire
+        torch.backends.cuda.matmul.allow_tf32 = True  # before the device exists, as scripts do
+        torch.set_float32_matmul_precision("high")
+        gpuwire.attach(sys.argv[1])
+        flags = gpuwire.client.device.runtime().query("precision")
+        print(flags["cuda.matmul.allow_tf32"], flags["float32_matmul_precision"])
+    """)
+    done = subprocess.run([sys.executable, "-c", program, node.address], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True", "high"]
+
+
+def test_a_setter_the_node_does_not_accept_fails_the_op_not_the_session(device):
+    rt = gpuwire.client.device.runtime()
+    with rt.lock:
+        gpuwire.client.device.queue_op(rt, "gpuwire::precision", [[["_set_num_threads", True]]], {})
+    with pytest.raises(gpuwire.RemoteError, match="not a math-mode setter"):
+        gpuwire.synchronize()
+    assert torch.ones(2, device=device).sum().item() == 2.0
