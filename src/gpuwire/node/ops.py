@@ -7,6 +7,7 @@ host side effects are refused by name, whatever the namespace says.
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -182,11 +183,17 @@ def apply_precision(calls: tuple) -> None:
 def math_mode() -> dict:
     """The flags in force, as their Python-level names read them."""
     c = torch._C
-    mode = {"float32_matmul_precision": c._get_float32_matmul_precision(),
-            "cuda.matmul.allow_tf32": c._get_cublas_allow_tf32(), "cudnn.allow_tf32": c._get_cudnn_allow_tf32()}
+    getters = {"float32_matmul_precision": c._get_float32_matmul_precision,
+               "cuda.matmul.allow_tf32": c._get_cublas_allow_tf32, "cudnn.allow_tf32": c._get_cudnn_allow_tf32}
     if hasattr(c, "_get_fp32_precision_getter"):
         for backend, op in (("cuda", "matmul"), ("cuda", "conv"), ("mkldnn", "matmul"), ("mkldnn", "conv")):
-            mode[f"{backend}.{op}.fp32_precision"] = c._get_fp32_precision_getter(backend, op)
+            getters[f"{backend}.{op}.fp32_precision"] = functools.partial(c._get_fp32_precision_getter, backend, op)
+    mode = {}
+    for name, getter in getters.items():
+        try:
+            mode[name] = getter()
+        except RuntimeError:  # a legacy getter after the new API was used (torch refuses to answer)
+            mode[name] = "mixed"
     return mode
 
 
