@@ -144,6 +144,36 @@ def test_embedded_node_starts_when_nothing_is_configured():
     assert "CPU backend" in result.stderr
 
 
+def test_embedded_node_leaves_the_program_half_the_cpus():
+    """The embedded node shares the machine with the program: with torch's default thread count
+    its OpenMP workers fought the program for the cores (a nanoGPT step on 2 cores flipped
+    between 27 ms and 550 ms). It gets half the usable CPUs unless the user said otherwise."""
+    code = """
+        import os, torch
+        from gpuwire.client import embedded
+        assert (torch.ones(4, device="gpuwire") * 2).sum().item() == 8.0
+        args = open(f"/proc/{embedded._process.pid}/cmdline").read().split(chr(0))
+        print("threads", args[args.index("--threads") + 1] if "--threads" in args else None)
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "GPUWIRE_EMBEDDED_THREADS")}
+    env["GPUWIRE_NODE"] = ""
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                            timeout=120, env=env, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert f"threads {max(1, len(os.sched_getaffinity(0)) // 2)}" in result.stdout, result.stdout
+
+
+def test_embedded_node_threads_follow_the_users_settings(monkeypatch):
+    from gpuwire.client import embedded
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("GPUWIRE_EMBEDDED_THREADS", raising=False)
+    assert embedded.embedded_node_threads() == max(1, len(os.sched_getaffinity(0)) // 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert embedded.embedded_node_threads() is None  # the node inherits OMP_NUM_THREADS; torch obeys it
+    monkeypatch.setenv("GPUWIRE_EMBEDDED_THREADS", "5")
+    assert embedded.embedded_node_threads() == 5
+
+
 def test_remote_memory_is_freed_when_tensors_die(device):
     rt = gpuwire.client.device.current_runtime()
     gpuwire.synchronize()

@@ -33,6 +33,9 @@ def start_embedded_node(backend: str = "cpu") -> tuple[str, str]:
         env.pop("GPUWIRE_NODE", None)
         cmd = [sys.executable, "-m", "gpuwire", "serve", "--host", "127.0.0.1", "--port", "0",
                "--backend", backend, "--exit-with-stdin", "--log-level", "warning"]
+        threads = embedded_node_threads()
+        if threads is not None:
+            cmd += ["--threads", str(threads)]
         process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
         line = _read_line(process, STARTUP_TIMEOUT)
         if not line.startswith("gpuwire node listening on "):
@@ -45,6 +48,24 @@ def start_embedded_node(backend: str = "cpu") -> tuple[str, str]:
         print(f"gpuwire: no node configured (GPUWIRE_NODE unset): started an embedded node at {address} "
               "on the CPU backend (software GPU)", file=sys.stderr)
         return address, token
+
+
+def embedded_node_threads() -> int | None:
+    """Intra-op CPU threads for the embedded node's kernels: half the CPUs this process may use
+    (at least 1), because the node shares the machine with the program that drives it.
+
+    With torch's default (every core) the node's OpenMP workers and the program competed for
+    the same cores: on 2 cores a small nanoGPT step flipped between 27 ms and 550 ms. The
+    benchmarks give their node half the CPUs for the same reason. ``OMP_NUM_THREADS`` (which
+    the node inherits and torch obeys) or ``GPUWIRE_EMBEDDED_THREADS`` override it.
+    """
+    explicit = os.environ.get("GPUWIRE_EMBEDDED_THREADS", "").strip()
+    if explicit:
+        return max(1, int(explicit))
+    if os.environ.get("OMP_NUM_THREADS", "").strip():
+        return None
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(1, usable // 2)
 
 
 def _read_line(process: subprocess.Popen, timeout: float) -> str:
