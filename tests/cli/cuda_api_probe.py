@@ -120,6 +120,24 @@ def autocast():
 check("autocast('cuda')", autocast)
 
 
+def autocast_float32():
+    """CUDA's autocast takes float32 (nanoGPT's float32 config): enabled, no warning, and
+    lower-precision ops run in float32."""
+    import warnings
+    a = torch.randn(8, 8, device="cuda").bfloat16()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cuda", dtype=torch.float32):
+            enabled = torch.is_autocast_enabled("cuda")
+            mm = a @ a
+        with torch.cuda.amp.autocast(dtype=torch.float32):
+            lin = torch.nn.functional.linear(a, a)
+    return [enabled, str(mm.dtype), str(lin.dtype)]
+
+
+check("autocast('cuda', dtype=torch.float32)", autocast_float32)
+
+
 def grad_scaler():
     model = torch.nn.Linear(4, 1).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -339,15 +339,20 @@ def _patch_autocast() -> None:
     original_init = torch.amp.autocast_mode.autocast.__init__
 
     @functools.wraps(original_init)
-    def autocast_init(self, device_type, *args, **kwargs):
-        if device_type == "cuda":
-            device_type = DEVICE_TYPE
-        original_init(self, device_type, *args, **kwargs)
+    def autocast_init(self, device_type, dtype=None, enabled=True, cache_enabled=None):
+        if device_type != "cuda":
+            return original_init(self, device_type, dtype, enabled, cache_enabled)
+        # CUDA's autocast takes any dtype (nanoGPT's default config enters
+        # ``autocast("cuda", dtype=torch.float32)``); the generic check for other devices would
+        # warn and disable it. So check with a supported dtype, then keep the one asked for.
+        wanted = dtype if dtype is not None else torch.get_autocast_dtype(DEVICE_TYPE)
+        original_init(self, DEVICE_TYPE, torch.float16, enabled, cache_enabled)
+        self.fast_dtype = wanted
 
     torch.amp.autocast_mode.autocast.__init__ = autocast_init
 
     def cuda_autocast(enabled=True, dtype=torch.float16, cache_enabled=True):
-        return torch.autocast(DEVICE_TYPE, enabled=enabled, dtype=dtype, cache_enabled=cache_enabled)
+        return torch.autocast("cuda", enabled=enabled, dtype=dtype, cache_enabled=cache_enabled)
 
     torch.cuda.amp.autocast = cuda_autocast
     original_is_enabled = torch.is_autocast_enabled
