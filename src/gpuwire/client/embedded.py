@@ -29,13 +29,9 @@ def start_embedded_node(backend: str = "cpu") -> tuple[str, str]:
     global _process
     with _lock:
         token = secrets.token_hex(16)
-        env = dict(os.environ, GPUWIRE_NODE_TOKEN=token, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
-        env.pop("GPUWIRE_NODE", None)
+        env = embedded_node_env(token)
         cmd = [sys.executable, "-m", "gpuwire", "serve", "--host", "127.0.0.1", "--port", "0",
                "--backend", backend, "--exit-with-stdin", "--log-level", "warning"]
-        threads = embedded_node_threads()
-        if threads is not None:
-            cmd += ["--threads", str(threads)]
         process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
         line = _read_line(process, STARTUP_TIMEOUT)
         if not line.startswith("gpuwire node listening on "):
@@ -50,22 +46,22 @@ def start_embedded_node(backend: str = "cpu") -> tuple[str, str]:
         return address, token
 
 
-def embedded_node_threads() -> int | None:
-    """Intra-op CPU threads for the embedded node's kernels: half the CPUs this process may use
-    (at least 1), because the node shares the machine with the program that drives it.
+def embedded_node_env(token: str) -> dict:
+    """The embedded node's environment: this process's, plus its token, and OpenMP workers
+    that sleep when idle (``OMP_WAIT_POLICY=PASSIVE`` unless the user set a policy).
 
-    With torch's default (every core) the node's OpenMP workers and the program competed for
-    the same cores: on 2 cores a small nanoGPT step flipped between 27 ms and 550 ms. The
-    benchmarks give their node half the CPUs for the same reason. ``OMP_NUM_THREADS`` (which
-    the node inherits and torch obeys) or ``GPUWIRE_EMBEDDED_THREADS`` override it.
+    The node shares the machine with the program that drives it. With OpenMP's default policy
+    the node's idle workers spin between kernels, on the cores the program (and the node's own
+    Python thread) needs: on 2 cores a small nanoGPT step flipped between 27 ms and 550 ms
+    from run to run. Halving the node's thread count fixed that too, but changed the order of
+    CPU reductions (LayerNorm's weight gradient, ...), so results no longer matched a local CPU
+    run bit for bit; the wait policy keeps the kernels exactly as a local run runs them.
     """
-    explicit = os.environ.get("GPUWIRE_EMBEDDED_THREADS", "").strip()
-    if explicit:
-        return max(1, int(explicit))
-    if os.environ.get("OMP_NUM_THREADS", "").strip():
-        return None
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-    return max(1, usable // 2)
+    env = dict(os.environ, GPUWIRE_NODE_TOKEN=token, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    env.pop("GPUWIRE_NODE", None)
+    if not env.get("OMP_WAIT_POLICY"):
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return env
 
 
 def _read_line(process: subprocess.Popen, timeout: float) -> str:
