@@ -138,6 +138,24 @@ def autocast_float32():
 check("autocast('cuda', dtype=torch.float32)", autocast_float32)
 
 
+def lstm_quietly():
+    """nn.LSTM on "cuda": flatten_parameters asks cuDNN about the weights (.cuda(), forward); a
+    gpuwire tensor is never cuDNN's, without the "compiled without cuDNN" warning; equal to CPU."""
+    import copy
+    import warnings
+    torch.manual_seed(0)
+    local = torch.nn.LSTM(8, 16, num_layers=2)
+    x = torch.randn(5, 3, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        remote = copy.deepcopy(local).cuda()  # Module._apply flattens the weights
+        out, _ = remote(x.cuda())
+    return torch.equal(out.cpu(), local(x)[0])
+
+
+check("nn.LSTM on cuda (no cuDNN warning)", lstm_quietly)
+
+
 def grad_scaler():
     model = torch.nn.Linear(4, 1).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

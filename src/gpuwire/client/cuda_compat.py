@@ -478,6 +478,23 @@ def _patch_data_parallel() -> None:
     DataParallel.forward = forward
 
 
+def _patch_cudnn() -> None:
+    """cuDNN is a library of local kernels: a gpuwire tensor (which reports ``cuda``) is never
+    acceptable to it. ``RNNBase.flatten_parameters`` asks on every LSTM .cuda() and forward; unpatched, a
+    torch built without cuDNN warned "PyTorch was compiled without cuDNN/MIOpen support" there.
+    The node picks its own kernels (cuDNN on a CUDA node)."""
+    import torch.backends.cudnn as cudnn
+    original = cudnn.is_acceptable
+
+    @functools.wraps(original)
+    def is_acceptable(tensor):
+        if isinstance(tensor, torch.Tensor) and on_device(tensor):
+            return False
+        return original(tensor)
+
+    cudnn.is_acceptable = is_acceptable
+
+
 def enable() -> None:
     """Turn on CUDA compatibility in this process (idempotent)."""
     global _enabled, _mode, GPUWIRE
@@ -501,6 +518,7 @@ def enable() -> None:
     _patch_compile()
     _patch_data_parallel()
     _patch_distributed()
+    _patch_cudnn()
     _mode = CudaToGpuwire()
     _mode.__enter__()  # stays on this thread's mode stack for the life of the program
     _enabled = True
