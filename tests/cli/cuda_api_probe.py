@@ -120,6 +120,42 @@ def autocast():
 check("autocast('cuda')", autocast)
 
 
+def autocast_float32():
+    """CUDA's autocast takes float32 (nanoGPT's float32 config): enabled, no warning, and
+    lower-precision ops run in float32."""
+    import warnings
+    a = torch.randn(8, 8, device="cuda").bfloat16()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cuda", dtype=torch.float32):
+            enabled = torch.is_autocast_enabled("cuda")
+            mm = a @ a
+        with torch.cuda.amp.autocast(dtype=torch.float32):
+            lin = torch.nn.functional.linear(a, a)
+    return [enabled, str(mm.dtype), str(lin.dtype)]
+
+
+check("autocast('cuda', dtype=torch.float32)", autocast_float32)
+
+
+def lstm_quietly():
+    """nn.LSTM on "cuda": flatten_parameters asks cuDNN about the weights (.cuda(), forward); a
+    gpuwire tensor is never cuDNN's, without the "compiled without cuDNN" warning; equal to CPU."""
+    import copy
+    import warnings
+    torch.manual_seed(0)
+    local = torch.nn.LSTM(8, 16, num_layers=2)
+    x = torch.randn(5, 3, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        remote = copy.deepcopy(local).cuda()  # Module._apply flattens the weights
+        out, _ = remote(x.cuda())
+    return torch.equal(out.cpu(), local(x)[0])
+
+
+check("nn.LSTM on cuda (no cuDNN warning)", lstm_quietly)
+
+
 def grad_scaler():
     model = torch.nn.Linear(4, 1).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

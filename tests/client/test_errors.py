@@ -144,6 +144,42 @@ def test_embedded_node_starts_when_nothing_is_configured():
     assert "CPU backend" in result.stderr
 
 
+def test_embedded_node_idles_politely_and_matches_local_cpu_bit_for_bit():
+    """The embedded node shares the machine with the program: with OpenMP's default wait policy
+    its idle workers spun on the program's cores (a nanoGPT step on 2 cores flipped between
+    27 ms and 550 ms). Its workers sleep when idle; its thread count stays torch's default, so
+    thread-partitioned reductions (LayerNorm's weight gradient) equal a local run bit for bit."""
+    code = """
+        import copy, torch
+        from gpuwire.client import embedded
+        torch.manual_seed(0)
+        ln = torch.nn.LayerNorm(32)
+        with torch.no_grad():
+            ln.weight.normal_(); ln.bias.normal_()
+        remote = copy.deepcopy(ln).to("gpuwire")
+        x, gy = torch.randn(20, 10, 32), torch.randn(20, 10, 32)
+        ln(x.requires_grad_()).backward(gy)
+        remote(x.detach().to("gpuwire").requires_grad_()).backward(gy.to("gpuwire"))
+        same = all(torch.equal(a.grad, b.grad.cpu()) for a, b in zip(ln.parameters(), remote.parameters()))
+        environ = open(f"/proc/{embedded._process.pid}/environ").read().split(chr(0))
+        print("equal", same, "policy", [v for v in environ if v.startswith("OMP_WAIT_POLICY=")])
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
+    env["GPUWIRE_NODE"] = ""
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                            timeout=120, env=env, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert "equal True policy ['OMP_WAIT_POLICY=PASSIVE']" in result.stdout, result.stdout
+
+
+def test_embedded_node_keeps_the_users_wait_policy(monkeypatch):
+    from gpuwire.client import embedded
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert embedded.embedded_node_env("t")["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert embedded.embedded_node_env("t")["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
 def test_remote_memory_is_freed_when_tensors_die(device):
     rt = gpuwire.client.device.current_runtime()
     gpuwire.synchronize()

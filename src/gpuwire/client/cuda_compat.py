@@ -342,15 +342,20 @@ def _patch_autocast() -> None:
     original_init = torch.amp.autocast_mode.autocast.__init__
 
     @functools.wraps(original_init)
-    def autocast_init(self, device_type, *args, **kwargs):
-        if device_type == "cuda":
-            device_type = DEVICE_TYPE
-        original_init(self, device_type, *args, **kwargs)
+    def autocast_init(self, device_type, dtype=None, enabled=True, cache_enabled=None):
+        if device_type != "cuda":
+            return original_init(self, device_type, dtype, enabled, cache_enabled)
+        # CUDA's autocast takes any dtype (nanoGPT's default config enters
+        # ``autocast("cuda", dtype=torch.float32)``); the generic check for other devices would
+        # warn and disable it. So check with a supported dtype, then keep the one asked for.
+        wanted = dtype if dtype is not None else torch.get_autocast_dtype(DEVICE_TYPE)
+        original_init(self, DEVICE_TYPE, torch.float16, enabled, cache_enabled)
+        self.fast_dtype = wanted
 
     torch.amp.autocast_mode.autocast.__init__ = autocast_init
 
     def cuda_autocast(enabled=True, dtype=torch.float16, cache_enabled=True):
-        return torch.autocast(DEVICE_TYPE, enabled=enabled, dtype=dtype, cache_enabled=cache_enabled)
+        return torch.autocast("cuda", enabled=enabled, dtype=dtype, cache_enabled=cache_enabled)
 
     torch.cuda.amp.autocast = cuda_autocast
     original_is_enabled = torch.is_autocast_enabled
@@ -492,6 +497,23 @@ def _patch_threads() -> None:
     threading.Thread._bootstrap_inner = bootstrap_inner
 
 
+def _patch_cudnn() -> None:
+    """cuDNN is a library of local kernels: a gpuwire tensor (which reports ``cuda``) is never
+    acceptable to it. ``RNNBase.flatten_parameters`` asks on every LSTM .cuda() and forward; unpatched, a
+    torch built without cuDNN warned "PyTorch was compiled without cuDNN/MIOpen support" there.
+    The node picks its own kernels (cuDNN on a CUDA node)."""
+    import torch.backends.cudnn as cudnn
+    original = cudnn.is_acceptable
+
+    @functools.wraps(original)
+    def is_acceptable(tensor):
+        if isinstance(tensor, torch.Tensor) and on_device(tensor):
+            return False
+        return original(tensor)
+
+    cudnn.is_acceptable = is_acceptable
+
+
 def enable() -> None:
     """Turn on CUDA compatibility in this process (idempotent)."""
     global _enabled, _mode, GPUWIRE
@@ -521,6 +543,7 @@ def enable() -> None:
     _patch_data_parallel()
     _patch_distributed()
     _patch_threads()
+    _patch_cudnn()
     _mode = CudaToGpuwire()
     _mode.__enter__()  # stays on this thread's mode stack for the life of the program
     _enabled = True

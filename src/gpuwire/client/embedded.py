@@ -29,8 +29,7 @@ def start_embedded_node(backend: str = "cpu") -> tuple[str, str]:
     global _process
     with _lock:
         token = secrets.token_hex(16)
-        env = dict(os.environ, GPUWIRE_NODE_TOKEN=token, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
-        env.pop("GPUWIRE_NODE", None)
+        env = embedded_node_env(token)
         cmd = [sys.executable, "-m", "gpuwire", "serve", "--host", "127.0.0.1", "--port", "0",
                "--backend", backend, "--exit-with-stdin", "--log-level", "warning"]
         process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
@@ -45,6 +44,24 @@ def start_embedded_node(backend: str = "cpu") -> tuple[str, str]:
         print(f"gpuwire: no node configured (GPUWIRE_NODE unset): started an embedded node at {address} "
               "on the CPU backend (software GPU)", file=sys.stderr)
         return address, token
+
+
+def embedded_node_env(token: str) -> dict:
+    """The embedded node's environment: this process's, plus its token, and OpenMP workers
+    that sleep when idle (``OMP_WAIT_POLICY=PASSIVE`` unless the user set a policy).
+
+    The node shares the machine with the program that drives it. With OpenMP's default policy
+    the node's idle workers spin between kernels, on the cores the program (and the node's own
+    Python thread) needs: on 2 cores a small nanoGPT step flipped between 27 ms and 550 ms
+    from run to run. Halving the node's thread count fixed that too, but changed the order of
+    CPU reductions (LayerNorm's weight gradient, ...), so results no longer matched a local CPU
+    run bit for bit; the wait policy keeps the kernels exactly as a local run runs them.
+    """
+    env = dict(os.environ, GPUWIRE_NODE_TOKEN=token, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    env.pop("GPUWIRE_NODE", None)
+    if not env.get("OMP_WAIT_POLICY"):
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    return env
 
 
 def _read_line(process: subprocess.Popen, timeout: float) -> str:
