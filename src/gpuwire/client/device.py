@@ -365,12 +365,32 @@ def _wrapped_number_tensor(value, tensors) -> torch.Tensor:
 _COMPLEX_OF = {torch.float16: torch.complex32, torch.float32: torch.complex64, torch.float64: torch.complex128}
 
 
+def _written_slots(op) -> tuple:
+    """The arguments ``op`` writes (``Tensor(a!)``, ``Tensor(a!)[]``): out= and in-place ``self``."""
+    return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(op._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write and _is_tensor_type(a.type))
+
+
+def _check_written_on_device(op_name: str, slots, args, kwargs) -> None:
+    """A tensor an op writes must live on the device. A host tensor there would be sent by value
+    (``inline_ext``): the node would write a copy and the caller's tensor would keep its old
+    bytes, silently. Raise as CUDA's TensorIterator does for ``out=`` on another device."""
+    for index, name, kwarg_only in slots:
+        value = _get_arg(args, kwargs, index, name, kwarg_only)
+        for t in (value if isinstance(value, (list, tuple)) else (value,)):
+            if isinstance(t, torch.Tensor) and not on_device(t):
+                raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two "
+                                   f"devices, {DEVICE_TYPE}:0 and {t.device}! (argument '{name}' of {op_name}"
+                                   f" is written by the op and must be a {DEVICE_TYPE} tensor)")
+
+
 class MutatingPlan:
     """In-place and out= ops: queue the op; the results are the mutated arguments."""
 
     def __init__(self, op):
         self.name = _op_name(op)
         self.sources = _alias_sources(op)
+        self.written = _written_slots(op)
         self.single = len(self.sources) == 1
         self.out_args = [(i, a.name, a.kwarg_only) for i, a in enumerate(op._schema.arguments)
                          if a.is_out and _is_tensor_type(a.type)]
@@ -380,6 +400,7 @@ class MutatingPlan:
 
     def __call__(self, op, args, kwargs):
         rt = runtime()
+        _check_written_on_device(self.name, self.written, args, kwargs)
         if self.numbers:
             args, kwargs = _numbers_as_tensors(self.numbers, args, kwargs)
         if self.out_args and not self._resize_outs(op, args, kwargs):
