@@ -68,3 +68,25 @@ def test_session_dropped_for_a_protocol_error_is_not_resumed_forever(fresh_node)
     assert done.stdout.startswith("LOST"), done.stdout + done.stderr[-2000:]
     assert "protocol error" in done.stdout
     assert float(done.stdout.split()[1]) < 30
+
+
+def test_out_of_a_dtype_the_result_cannot_be_cast_to_raises_at_the_call(device):
+    """``torch.abs(x, out=long_tensor)``: the meta kernel refuses it; on a CPU node the fake-CPU
+    fallback did not, so the op was queued and its error surfaced at a later, unrelated sync
+    point. Such calls now run with a reply and raise where they are made, as on CPU."""
+    x = torch.randn(5, 5)
+    d = x.to(device)
+    for make in (lambda: torch.zeros(5, 5, dtype=torch.long, device=device),
+                 lambda: torch.full((5, 5), 3, dtype=torch.long, device=device)):
+        out = make()
+        with pytest.raises(RuntimeError, match="Long"):
+            torch.abs(d, out=out)
+        with pytest.raises(TypeError):
+            torch.cat([d, d], out=torch.zeros(10, 5, dtype=torch.long, device=device))
+    import gpuwire
+    gpuwire.synchronize()  # nothing left to raise later
+    # a program's out= tensor of the wrong size is resized, as on CPU
+    out = torch.tensor([1.0, 2.0, 3.0], device=device)
+    with pytest.warns(UserWarning, match="resized"):
+        torch.add(d, d, out=out)
+    assert out.shape == (5, 5) and torch.equal(out.cpu(), x + x)
