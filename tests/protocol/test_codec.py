@@ -125,7 +125,7 @@ VALUES = [
     pytest.param(TensorRef(2**64 - 1, 2**62, (2**62,), (-(2**62),), 19, 3), id="tensor-ref-extremes"),
     pytest.param(TensorRef(5, 3, (), (), 9, 1), id="tensor-ref-0dim"),
     pytest.param(TensorRef(5, 0, (4, 0, 2), (0, 2, -1), 11, 2), id="tensor-ref-odd-strides"),
-    pytest.param(TensorRef(5, 0, (1,) * 64, (1,) * 64, 8), id="tensor-ref-64dims"),
+    pytest.param(TensorRef(5, 0, (1,) * codec.MAX_DIMS, (1,) * codec.MAX_DIMS, 8), id="tensor-ref-max-dims"),
     pytest.param(InlineTensor(0, (), struct.pack("<f", 2.5)), id="inline-0dim"),
     pytest.param(InlineTensor(8, (2, 2), struct.pack("<4q", 1, 2, 3, 4)), id="inline-int64"),
     pytest.param(InlineTensor(9, (3,), b"\x01\x00\x01"), id="inline-bool"),
@@ -305,7 +305,7 @@ def tensor_ext(fields) -> bytes:
     pytest.param((1, 0, {"a": 1}, (1,), 0, 0), id="map-sizes"),
     pytest.param((1, 0, 2, 1, 0, 0), id="scalar-sizes"),
     pytest.param((True, 0, (2,), (1,), 0, 0), id="bool-storage"),
-    pytest.param((1, 0, (1,) * 65, (1,) * 65, 0, 0), id="65-dims"),
+    pytest.param((1, 0, (1,) * (codec.MAX_DIMS + 1), (1,) * (codec.MAX_DIMS + 1), 0, 0), id="too-many-dims"),
     pytest.param(None, id="nil"),
     pytest.param("abcdef", id="str"),
     pytest.param({"a": 1, "b": 2, "c": 3, "d": 4, "e": 5, "f": 6}, id="map-with-six-keys"),
@@ -381,7 +381,7 @@ def test_malformed_value_extension(code, data):
     pytest.param((0, 1, b"\x00" * 4), id="scalar-sizes"),
     pytest.param((0, (1,)), id="two-fields"),
     pytest.param((0, (1,), b"\x00" * 4, 0), id="four-fields"),
-    pytest.param((0, (1,) * 65, b"\x00" * 4), id="65-dims"),
+    pytest.param((0, (1,) * (codec.MAX_DIMS + 1), b"\x00" * 4), id="too-many-dims"),
 ])
 def test_malformed_inline_tensor(fields):
     data = msgpack.packb(fields, use_bin_type=True)

@@ -22,6 +22,7 @@ from gpuwire.protocol import (
     VersionMismatch,
     check_hello,
 )
+from gpuwire.protocol import codec
 from gpuwire.protocol.events import (
     Alloc,
     CallSync,
@@ -1119,7 +1120,7 @@ BAD_TENSOR_REFS = [
     pytest.param((1, 0, ("2",), (1,), 0, 0), id="str-size"),
     pytest.param((1, 0, 2, 1, 0, 0), id="scalar-sizes"),
     pytest.param(("1", 0, (2,), (1,), 0, 0), id="str-storage"),
-    pytest.param((1, 0, (1,) * 65, (1,) * 65, 0, 0), id="65-dims"),
+    pytest.param((1, 0, (1,) * (codec.MAX_DIMS + 1), (1,) * (codec.MAX_DIMS + 1), 0, 0), id="too-many-dims"),
     pytest.param(None, id="nil"),
     pytest.param(5, id="int"),
 ]
@@ -1136,7 +1137,7 @@ def test_tensor_ref_garbage_bytes():
 
 def test_tensor_ref_with_max_dims_accepted():
     client, server = open_pair()
-    ref = TensorRef(1, 0, (1,) * 64, (1,) * 64, 0)
+    ref = TensorRef(1, 0, (1,) * codec.MAX_DIMS, (1,) * codec.MAX_DIMS, 0)
     assert transfer(client, server, Op(seq=1, name="a", args=[ref])).args == [ref]
 
 

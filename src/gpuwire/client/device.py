@@ -366,12 +366,32 @@ def _wrapped_number_tensor(value, tensors) -> torch.Tensor:
 _COMPLEX_OF = {torch.float16: torch.complex32, torch.float32: torch.complex64, torch.float64: torch.complex128}
 
 
+def _written_slots(op) -> tuple:
+    """The arguments ``op`` writes (``Tensor(a!)``, ``Tensor(a!)[]``): out= and in-place ``self``."""
+    return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(op._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write and _is_tensor_type(a.type))
+
+
+def _check_written_on_device(op_name: str, slots, args, kwargs) -> None:
+    """A tensor an op writes must live on the device. A host tensor there would be sent by value
+    (``inline_ext``): the node would write a copy and the caller's tensor would keep its old
+    bytes, silently. Raise as CUDA's TensorIterator does for ``out=`` on another device."""
+    for index, name, kwarg_only in slots:
+        value = _get_arg(args, kwargs, index, name, kwarg_only)
+        for t in (value if isinstance(value, (list, tuple)) else (value,)):
+            if isinstance(t, torch.Tensor) and not on_device(t):
+                raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two "
+                                   f"devices, {DEVICE_TYPE}:0 and {t.device}! (argument '{name}' of {op_name}"
+                                   f" is written by the op and must be a {DEVICE_TYPE} tensor)")
+
+
 class MutatingPlan:
     """In-place and out= ops: queue the op; the results are the mutated arguments."""
 
     def __init__(self, op):
         self.name = _op_name(op)
         self.sources = _alias_sources(op)
+        self.written = _written_slots(op)
         self.single = len(self.sources) == 1
         self.out_args = [(i, a.name, a.kwarg_only) for i, a in enumerate(op._schema.arguments)
                          if a.is_out and _is_tensor_type(a.type)]
@@ -381,6 +401,7 @@ class MutatingPlan:
 
     def __call__(self, op, args, kwargs):
         rt = runtime()
+        _check_written_on_device(self.name, self.written, args, kwargs)
         if self.numbers:
             args, kwargs = _numbers_as_tensors(self.numbers, args, kwargs)
         if self.out_args and not self._resize_outs(op, args, kwargs):
@@ -406,14 +427,17 @@ class MutatingPlan:
         size C++ already computed. False when the sizes cannot be inferred (no meta kernel,
         data-dependent sizes): the op must then run as a sync op."""
         fresh_ref = getattr(_state, "fresh", None)
-        fresh = fresh_ref() if fresh_ref is not None else None
+        # fresh only while nothing was sent since its Alloc: C++'s structured path allocates the
+        # out tensor and calls X.out right away; a program's ``empty`` + fill + ``out=`` is not
+        # (its out tensor may have any size and dtype: it must be checked and resized)
+        fresh = fresh_ref[0]() if fresh_ref is not None and fresh_ref[1] == runtime().seq else None
         for position, (index, name, kwarg_only) in enumerate(self.out_args):
             out = _get_arg(args, kwargs, index, name, kwarg_only)
             if not isinstance(out, torch.Tensor) or (out is fresh and out.numel()) or any(out is a for a in args):
                 continue
             entry = self.checker.outputs(op, args, kwargs)
-            if entry is SYNC or entry is None:
-                return False
+            if entry is SYNC or entry is None or entry.meta_failed:
+                return False  # (meta_failed: the node's kernel decides, and raises here if it must)
             expected = entry.out_shapes
             if position < len(expected) and tuple(out.shape) != expected[position]:
                 out.resize_(expected[position])
@@ -436,12 +460,16 @@ class MutatingPlan:
 
 
 class _MetaEntry:
-    __slots__ = ("specs", "template", "out_shapes")
+    __slots__ = ("specs", "template", "out_shapes", "meta_failed")
 
     def __init__(self, specs, template, out_shapes):
         self.specs = specs  # per fresh output: (sizes, strides, dtype, dtype_code, nbytes)
         self.template = template
         self.out_shapes = out_shapes
+        # the meta kernel raised and fake CPU tensors answered instead: either the op is one
+        # whose meta kernel is wrong for a CPU node, or the call is an error that the fake
+        # kernel does not check (an out= of a dtype the result cannot be cast to)
+        self.meta_failed = False
 
 
 SYNC = object()
@@ -489,7 +517,12 @@ class FunctionalPlan:
         except (torch._subclasses.fake_tensor.DynamicOutputShapeException, NotImplementedError):
             return self._compute_as_cpu(args, kwargs) if as_cpu else SYNC
         except Exception:  # noqa: BLE001 - let the node raise the real error (same message as local)
-            return self._compute_as_cpu(args, kwargs) if as_cpu else None
+            if not as_cpu:
+                return None
+            entry = self._compute_as_cpu(args, kwargs)
+            if isinstance(entry, _MetaEntry):
+                entry.meta_failed = True
+            return entry
         if as_cpu:
             fix = _CPU_KERNEL_FIXES.get(self.name)
             if fix is not None:
@@ -1121,7 +1154,9 @@ def _empty_memory_format(op, args, kwargs):
     rt = runtime()
     with rt.lock:
         t = wrap_storage(rt, rt.allocate(nbytes), nbytes, sizes, strides, dtype)
-    _state.fresh = weakref.ref(t)  # weak: must not keep the last allocation alive
+    # weak: must not keep the last allocation alive; with the sequence number right after its
+    # Alloc, so that a tensor the program made and wrote to since is not taken for C++'s own
+    _state.fresh = (weakref.ref(t), rt.seq)
     return t
 
 
@@ -1131,7 +1166,9 @@ def _empty_strided(op, args, kwargs):
     rt = runtime()
     with rt.lock:
         t = new_empty(rt, sizes, strides, dtype)
-    _state.fresh = weakref.ref(t)  # weak: must not keep the last allocation alive
+    # weak: must not keep the last allocation alive; with the sequence number right after its
+    # Alloc, so that a tensor the program made and wrote to since is not taken for C++'s own
+    _state.fresh = (weakref.ref(t), rt.seq)
     return t
 
 

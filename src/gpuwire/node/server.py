@@ -214,6 +214,14 @@ class NodeServer:
             ended_cleanly = self._session_loop(sock, conn, session)
         except ProtocolError as exc:
             log.warning("session %s from %s dropped: protocol error: %s", session and session.id, peer, exc)
+            if session is not None and registered:
+                # not parked: a resumed client would send the same frame again, and be dropped
+                # again, forever. Say why, so the client's error names the cause.
+                session.ended_reason = f"protocol error: {exc}"
+                try:
+                    send_parts(sock, conn.send_parts(Goodbye(reason=session.ended_reason[:400])))
+                except Exception:  # noqa: BLE001 - best effort: the session ends either way
+                    pass
         except (ConnectionError, socket.timeout, OSError) as exc:
             log.info("session %s from %s ended: %s", session and session.id, peer, exc)
         except Exception:  # noqa: BLE001 - a bug must not take the node down

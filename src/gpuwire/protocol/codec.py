@@ -49,7 +49,10 @@ EXT_GENERATOR = 7
 EXT_INLINE_TENSOR = 8
 EXT_NEW_TENSOR = 9
 
-MAX_DIMS = 64
+# dimensions a tensor descriptor may have. PyTorch tensors can have more than 64 (its kernels
+# refuse them with their own error: "only tensors with up to 64 dims are supported"), and
+# refusing one here drops the whole session, so the bound is far above any real tensor.
+MAX_DIMS = 1024
 _U64 = 2**64
 _I62 = 2**62
 _COMPLEX = struct.Struct("!dd")
