@@ -315,3 +315,41 @@ def test_large_downloads_recycle_warm_blocks_but_never_alias_a_live_tensor(devic
     assert fourth.is_contiguous() and fourth.dtype == torch.float32 and fourth.shape == x.shape
     fourth.mul_(2)  # an ordinary CPU tensor
     assert torch.equal(fourth, (x - 1) * 2)
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("x % 2", lambda x: x % 2),
+    ("fmod(x, 1.5)", lambda x: torch.fmod(x, 1.5)),
+    ("remainder(x, -3)", lambda x: torch.remainder(x, -3)),
+    ("int64 fmod(x, 2)", lambda x: torch.fmod((x * 10).to(torch.int64), 2)),
+])
+def test_a_number_for_a_tensor_argument_is_streamed_not_a_round_trip(device, name, fn):
+    # ``x % 2`` reaches the device as ``remainder.Tensor(x, 2)`` (C++ wraps the number): it
+    # used to make a round trip on every call
+    x = torch.randn(6, 5)
+    d = x.to(device)
+    fn(d)  # the first call with these argument kinds learns the output layout
+    gpuwire.synchronize()
+    rt = gpuwire.client.device.current_runtime()
+    trips = rt.round_trips
+    results = [fn(d) for _ in range(4)]
+    assert rt.round_trips == trips
+    for r in results:
+        assert torch.equal(r.cpu(), fn(x)), name
+
+
+@pytest.mark.parametrize("loss", [torch.nn.functional.mse_loss, torch.nn.functional.smooth_l1_loss])
+def test_reduced_losses_are_one_message_from_the_first_call(device, loss):
+    # their generic kernel (``empty`` + ``X.out``) was two messages every call, and made a CPU
+    # node print PyTorch's "output ... was resized" deprecation warning each time
+    x, y = torch.randn(7, 3), torch.rand(7, 3)
+    dx, dy = x.to(device), y.to(device)
+    gpuwire.synchronize()
+    rt = gpuwire.client.device.current_runtime()
+    for _ in range(3):
+        before = rt.seq  # every command sent counts, an Alloc included
+        result = loss(dx, dy)
+        assert rt.seq - before == 1
+        assert torch.equal(result.cpu(), loss(x, y))
+    for reduction in ("sum", "none"):
+        assert torch.equal(loss(dx, dy, reduction=reduction).cpu(), loss(x, y, reduction=reduction))

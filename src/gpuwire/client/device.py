@@ -798,6 +798,8 @@ class DirectPlan:
         return tuple(submit_with_outputs(self.name, args, kwargs, specs))
 
     def _learn(self, key, keyset, args, kwargs):
+        if self.name in _OUT_RESIZED_BY_META:
+            return self._learn_from_meta(key, args, kwargs)
         for index, name, kwarg_only in self.tensor_slots:
             if type(args[index] if not kwarg_only and index < len(args) else kwargs.get(name)) in _NUMBER_TYPES:
                 # a Python number in a Tensor slot (``x + 1``) cannot be handed back to the C++
@@ -831,12 +833,14 @@ class DirectPlan:
     def _learn_from_meta(self, key, args, kwargs):
         if self._checker is None:
             self._checker = FunctionalPlan(self.op)
+        if self.numbers:
+            # as wrapped-number tensors: the meta kernel (like the node) refuses a plain number in
+            # a Tensor slot, which made ``x % 2`` or ``torch.fmod(x, 1.5)`` a round trip every call
+            args, kwargs = _numbers_as_tensors(self.numbers, args, kwargs)
         entry = self._checker._compute(args, kwargs)
         if entry is SYNC or entry is None:
             # no metadata here, or the meta kernel raised: the node runs the op with a reply
             # (so its error is raised at this line)
-            if self.numbers:
-                args, kwargs = _numbers_as_tensors(self.numbers, args, kwargs)
             result = _call_sync(self.op, self.name, args, kwargs)
             if self.inplace:
                 return _get_arg(args, kwargs, *self.source) if self.source is not None else None
@@ -851,8 +855,6 @@ class DirectPlan:
             specs = tuple(entry.specs)
         if key is not None:
             self._remember(key, specs)
-        if self.numbers:
-            args, kwargs = _numbers_as_tensors(self.numbers, args, kwargs)
         if self.inplace:
             rt = runtime()
             with rt.lock:
@@ -862,6 +864,13 @@ class DirectPlan:
         if self.returns_list:
             return tensors
         return tensors[0] if len(tensors) == 1 else tuple(tensors)
+
+
+# Structured reductions whose meta function sizes the out tensor to the elementwise result
+# before the reduced one: through their generic kernel (``empty`` + ``X.out``) a CPU node's
+# ``X.out`` printed PyTorch's "output ... resized" deprecation warning (the embedded node
+# shares the program's terminal); their meta kernels give the layout without it.
+_OUT_RESIZED_BY_META = frozenset({"aten::mse_loss", "aten::smooth_l1_loss"})
 
 
 def _fresh_specs(result, args, kwargs):
@@ -877,7 +886,9 @@ def _fresh_specs(result, args, kwargs):
                 or storage_id_of(t) in used):
             return None
         spec = output_spec(t.shape, t.stride(), t.dtype)
-        if spec[4] != t.untyped_storage().nbytes():
+        # (a larger storage is still the op's own: the reduced losses' meta functions size
+        # their out to the elementwise loss, then back to 0-dim)
+        if spec[4] > t.untyped_storage().nbytes():
             return None
         specs.append(spec)
     return tuple(specs)
