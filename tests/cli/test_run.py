@@ -264,3 +264,58 @@ def test_tf32_training_arguments_and_the_cuda_version_gate(node, tmp_path):
     done = gpuwire("run", "--node", node.address, "--", sys.executable, str(script))
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"cuda \d+\.\d+ device cuda:0 tf32 on node tf32", done.stdout), done.stdout
+
+
+LIGHTNING_SCRIPT = textwrap.dedent('''
+    import sys, torch, torch.nn as nn, torch.nn.functional as F
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class LitMLP(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.BatchNorm1d(32), nn.Linear(32, 4))
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = F.cross_entropy(self.net(x), y)
+            self.log("train_loss", loss, prog_bar=True)
+            return loss
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            self.log("val_acc", (self.net(x).argmax(-1) == y).float().mean())
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+            return [opt], [torch.optim.lr_scheduler.StepLR(opt, 1)]
+
+    accelerator, precision, root = sys.argv[1:4]
+    L.seed_everything(0)
+    x = torch.randn(256, 16, generator=torch.Generator().manual_seed(0))
+    data = TensorDataset(x, x[:, :4].argmax(-1))
+    trainer = L.Trainer(accelerator=accelerator, devices=1, max_epochs=2, precision=precision, logger=False,
+                        default_root_dir=root, enable_progress_bar=False, enable_model_summary=False)
+    model = LitMLP()
+    trainer.fit(model, DataLoader(data, batch_size=32, shuffle=True), DataLoader(data, batch_size=64))
+    print("strategy device", trainer.strategy.root_device)
+    print("metrics", {k: float(v) for k, v in sorted(trainer.callback_metrics.items())})
+    print("weights", float(sum(p.double().sum() for p in model.parameters())))
+''')
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_lightning_trainer_on_accelerator_gpu(node, tmp_path, precision):
+    # Lightning picks CUDAAccelerator from torch.cuda, queries the device's name and capability
+    # (its Tensor Core hint), moves the module there and back, and checkpoints at the end
+    pytest.importorskip("lightning")
+    script = tmp_path / "lit.py"
+    script.write_text(LIGHTNING_SCRIPT)
+    remote = gpuwire("run", "--node", node.address, "--", sys.executable, str(script), "gpu", precision,
+                     str(tmp_path / "gpu"), timeout=300)
+    assert remote.returncode == 0, remote.stderr[-3000:]
+    assert "strategy device cuda:0" in remote.stdout
+    assert list((tmp_path / "gpu").rglob("*.ckpt")), "the checkpoint was not written"
+    if precision == "32-true":  # bit for bit with the same script on the CPU
+        local = python(str(script), "cpu", precision, str(tmp_path / "cpu"), timeout=300)
+        assert local.returncode == 0, local.stderr[-3000:]
+        assert re.findall(r"(?:metrics|weights) .*", remote.stdout) == re.findall(r"(?:metrics|weights) .*", local.stdout)
+    else:
+        assert re.search(r"'train_loss': \d", remote.stdout)
