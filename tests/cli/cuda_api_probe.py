@@ -156,6 +156,34 @@ def lstm_quietly():
 check("nn.LSTM on cuda (no cuDNN warning)", lstm_quietly)
 
 
+def profiler_with_cuda_activity():
+    """torch.profiler with ProfilerActivity.CUDA (and the legacy use_cuda=True): CUDA kernel
+    timings cannot be collected here; the profile of this process is, without a "Failed to
+    record CUDA event" printed (by C++, on fd 2) for every op."""
+    from torch.profiler import ProfilerActivity, profile
+    model = torch.nn.Linear(16, 16).cuda()
+    x = torch.randn(4, 16, device="cuda")
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                model(x).relu().sum().item()
+            with torch.autograd.profiler.profile(use_cuda=True) as legacy:
+                model(x).sum().item()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        captured.seek(0)
+        stderr = captured.read().decode(errors="replace")
+    names = {event.key for event in prof.key_averages()}
+    return ["Failed to record CUDA event" not in stderr, "aten::addmm" in names,
+            any(event.name == "aten::addmm" for event in legacy.function_events)]
+
+
+check("torch.profiler with ProfilerActivity.CUDA", profiler_with_cuda_activity)
+
+
 def grad_scaler():
     model = torch.nn.Linear(4, 1).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

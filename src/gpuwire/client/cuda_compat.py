@@ -514,6 +514,52 @@ def _patch_cudnn() -> None:
     cudnn.is_acceptable = is_acceptable
 
 
+def _patch_profiler() -> None:
+    """``torch.profiler.profile(activities=[..., ProfilerActivity.CUDA])`` (and the legacy
+    ``use_cuda=True`` / ``use_device="cuda"``) asks a CUDA runtime the client does not have for
+    kernel timings: every op printed "Failed to record CUDA event" with a stack, and recording
+    took seconds. The kernels run on the node, so the CUDA activity is dropped (said once) and
+    the profile shows this process's side, gpuwire's ops included."""
+    from torch.autograd import profiler as legacy
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profiler as kineto
+
+    original_kineto = kineto._KinetoProfile.__init__
+
+    @functools.wraps(original_kineto)
+    def kineto_init(self, *args, **kwargs):
+        original_kineto(self, *args, **kwargs)
+        if ProfilerActivity.CUDA in self.activities:
+            self.activities.discard(ProfilerActivity.CUDA)
+            self.activity_filters.pop(ProfilerActivity.CUDA, None)
+            self.use_device = None
+            _note_profiler()
+
+    original_legacy = legacy.profile.__init__
+
+    @functools.wraps(original_legacy)
+    def legacy_init(self, *args, **kwargs):
+        if kwargs.get("use_cuda") or kwargs.get("use_device") == "cuda":
+            kwargs["use_cuda"], kwargs["use_device"] = False, None
+            _note_profiler()
+        original_legacy(self, *args, **kwargs)
+
+    kineto._KinetoProfile.__init__ = kineto_init
+    legacy.profile.__init__ = legacy_init
+
+
+_profiler_noted = False
+
+
+def _note_profiler() -> None:
+    global _profiler_noted
+    if not _profiler_noted:
+        _profiler_noted = True
+        import sys
+        print("gpuwire: torch.profiler records this process only: CUDA kernel timings are not collected (the "
+              "kernels run on the node; time them with torch.cuda.Event or `gpuwire smi`)", file=sys.stderr)
+
+
 def enable() -> None:
     """Turn on CUDA compatibility in this process (idempotent)."""
     global _enabled, _mode, GPUWIRE
@@ -544,6 +590,7 @@ def enable() -> None:
     _patch_distributed()
     _patch_threads()
     _patch_cudnn()
+    _patch_profiler()
     _mode = CudaToGpuwire()
     _mode.__enter__()  # stays on this thread's mode stack for the life of the program
     _enabled = True
