@@ -184,6 +184,20 @@ def profiler_with_cuda_activity():
 check("torch.profiler with ProfilerActivity.CUDA", profiler_with_cuda_activity)
 
 
+def record_stream():
+    x = torch.ones(3, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        y = x * 2
+    y.record_stream(side)
+    x.record_stream(torch.cuda.current_stream())
+    torch.cuda.current_stream().wait_stream(side)
+    return y.sum().item() == 6.0
+
+
+check("Tensor.record_stream", record_stream)
+
+
 def grad_scaler():
     model = torch.nn.Linear(4, 1).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -396,6 +396,20 @@ def _patch_tensor_device() -> None:
     torch.Tensor.device = property(device, doc=torch._C.TensorBase.device.__doc__)
     torch.Tensor.is_cuda = property(is_cuda, doc=torch._C.TensorBase.is_cuda.__doc__)
 
+    # ``x.record_stream(torch.cuda.current_stream())`` (prefetchers, FSDP-style code) tells the
+    # CUDA caching allocator not to reuse x's memory before that stream's work: the node runs a
+    # session's ops in order on one stream, so there is nothing to record; the C method refused
+    # the compatibility Stream ("unknown parameter type")
+    record_stream = torch.Tensor.record_stream
+
+    @functools.wraps(record_stream)
+    def record_stream_in_order(self, stream):
+        if on_device(self):
+            return None
+        return record_stream(self, stream)
+
+    torch.Tensor.record_stream = record_stream_in_order
+
 
 def _patch_serialization() -> None:
     """Checkpoints with CUDA storages (or ``map_location="cuda"``) load onto gpuwire."""
