@@ -353,3 +353,19 @@ def test_reduced_losses_are_one_message_from_the_first_call(device, loss):
         assert torch.equal(result.cpu(), loss(x, y))
     for reduction in ("sum", "none"):
         assert torch.equal(loss(dx, dy, reduction=reduction).cpu(), loss(x, y, reduction=reduction))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.uint8])
+def test_histc_of_integers_counts_like_cuda(device, dtype):
+    # CUDA's histc takes integer tensors (bins in integer arithmetic, counts in the input's
+    # dtype); a CPU node's kernel refused them, which failed Hugging Face's MoE layers
+    x = torch.tensor([0, 1, 1, 3, 3, 3, 7, 2, 9, 5], dtype=dtype)
+    d = x.to(device)
+    counts = torch.histc(d, bins=4, min=0, max=3)
+    assert counts.dtype == dtype
+    assert counts.cpu().tolist() == [1, 2, 1, 3]  # 7, 9 and 5 lie outside [0, 3]
+    whole = torch.histc(d, bins=5)  # min == max: the data's range, 0..9
+    assert whole.cpu().tolist() == torch.histc(x.float(), bins=5).to(dtype).tolist()
+    assert torch.histc(d[:0], bins=3).cpu().tolist() == [0, 0, 0]
+    with pytest.raises(RuntimeError, match="max must be larger than min"):
+        torch.histc(d, bins=3, min=5, max=1).cpu()

@@ -222,6 +222,52 @@ def _precision(calls):
     return None
 
 
+def _histc_like_cuda(self, bins=100, min=0, max=0, *, out=None):
+    """``aten::histc`` of an integer tensor on a CPU node, as CUDA computes it (the CPU kernel
+    supports floating types only): bins counted in int64 arithmetic, the result in the input's
+    dtype. Programs written for CUDA rely on it: Hugging Face's MoE layers (Mixtral, Qwen-MoE)
+    count tokens per expert with ``histc`` of int32 expert ids on any non-CPU device."""
+    if self.device.type != "cpu" or self.is_floating_point() or self.is_complex() or self.dtype is torch.bool:
+        return torch.ops.aten.histc(self, bins, min, max) if out is None else torch.ops.aten.histc.out(
+            self, bins, min, max, out=out)
+    if bins <= 0:
+        raise RuntimeError("bins must be > 0")
+    values = self.reshape(-1).to(torch.int64)
+    low, high = int(min), int(max)
+    if low == high and values.numel():
+        low, high = int(values.min()), int(values.max())
+    if low == high:
+        low, high = low - 1, high + 1
+    if low > high:
+        raise RuntimeError("max must be larger than min")
+    inside = values[(values >= low) & (values <= high)]
+    index = torch.div((inside - low) * bins, high - low, rounding_mode="floor").clamp_(max=bins - 1)
+    counts = torch.bincount(index, minlength=bins).to(self.dtype)
+    if out is None:
+        return counts
+    out.copy_(counts)
+    return out
+
+
+class _CpuNodeKernel:
+    """An aten op with a different kernel on a CPU node (same schema, so the node's allocation
+    guard treats it as the op itself; on meta tensors it is the op itself)."""
+
+    def __init__(self, op, kernel):
+        self._schema = op._schema
+        self._kernel = kernel
+
+    def __call__(self, *args, **kwargs):
+        return self._kernel(*args, **kwargs)
+
+
+# aten ops whose CPU kernel refuses what CUDA's accepts, which programs written for CUDA use
+CPU_NODE_KERNELS = {
+    "aten::histc": lambda: _CpuNodeKernel(torch.ops.aten.histc.default, _histc_like_cuda),
+    "aten::histc.out": lambda: _CpuNodeKernel(torch.ops.aten.histc.out, _histc_like_cuda),
+}
+
+
 SESSION_OPS = frozenset({"gpuwire::sdpa_keep", "gpuwire::sdpa_backward_kept", "gpuwire::precision"})
 GPUWIRE_OPS = {
     "gpuwire::sdpa": _sdpa,
@@ -250,6 +296,8 @@ class OpTable:
 def _resolve(name: str):
     if name in GPUWIRE_OPS:
         return GPUWIRE_OPS[name]
+    if name in CPU_NODE_KERNELS:
+        return CPU_NODE_KERNELS[name]()
     namespace, sep, qualified = name.partition("::")
     if not sep or namespace != "aten":
         raise OpRefused(f"op {name!r} is refused: a gpuwire node runs only ops of the aten namespace")
