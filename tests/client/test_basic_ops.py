@@ -369,3 +369,24 @@ def test_histc_of_integers_counts_like_cuda(device, dtype):
     assert torch.histc(d[:0], bins=3).cpu().tolist() == [0, 0, 0]
     with pytest.raises(RuntimeError, match="max must be larger than min"):
         torch.histc(d, bins=3, min=5, max=1).cpu()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_ops_a_cpu_kernel_lacks_run_like_cuda(device, dtype):
+    # CUDA programs under AMP run avg_pool3d, antialiased resizing ... in half precision; the
+    # CPU kernels refuse those dtypes ("not implemented for 'Half'"). A CPU node computes them
+    # in float32 and rounds, as CUDA's half kernels do inside.
+    F = torch.nn.functional
+    x = torch.randn(2, 3, 4, 6, 6, generator=torch.Generator().manual_seed(0)).to(dtype)
+    d = x.to(device).requires_grad_()
+    pooled = F.avg_pool3d(d, 2)
+    assert pooled.dtype == dtype
+    assert torch.equal(pooled.cpu(), F.avg_pool3d(x.float(), 2).to(dtype))
+    pooled.sum().backward()
+    assert d.grad.dtype == dtype and torch.equal(d.grad.cpu(), torch.full(x.shape, 1 / 8, dtype=dtype))
+    image = x[:, :, 0]
+    resized = F.interpolate(image.to(device), size=(3, 3), mode="bilinear", antialias=True)
+    assert torch.equal(resized.cpu(), F.interpolate(image.float(), size=(3, 3), mode="bilinear", antialias=True).to(dtype))
+    target = image.to(device)
+    F.rrelu(target, training=False, inplace=True)  # in place: the values come back in half precision
+    assert target.dtype == dtype and torch.equal(target.cpu(), F.rrelu(image.float(), training=False).to(dtype))

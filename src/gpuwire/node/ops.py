@@ -8,6 +8,7 @@ host side effects are refused by name, whatever the namespace says.
 from __future__ import annotations
 
 import functools
+import re
 import threading
 
 import torch
@@ -266,6 +267,62 @@ CPU_NODE_KERNELS = {
     "aten::histc": lambda: _CpuNodeKernel(torch.ops.aten.histc.default, _histc_like_cuda),
     "aten::histc.out": lambda: _CpuNodeKernel(torch.ops.aten.histc.out, _histc_like_cuda),
 }
+
+
+# A CPU kernel's refusal of a half-precision dtype that CUDA's kernel takes (avg_pool3d, the
+# antialiased upsampling, FFTs, rrelu ... in float16/bfloat16: what a CUDA program under AMP runs)
+LOW_PRECISION_REFUSED = re.compile(r"not implemented for '(Half|BFloat16|ComplexHalf)'|Unsupported dtype (Half|BFloat16)")
+_UPCAST = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.complex32: torch.complex64}
+_WRITTEN: dict = {}
+
+
+def run_upcast(fn, args, kwargs):
+    """Run ``fn`` with its half-precision tensors in float32 (complex32 in complex64), the way
+    CUDA's half kernels compute internally; written arguments get the values back in their own
+    dtype, fresh float32/complex64 results are given in the inputs' precision (and the node's
+    ``_adopt`` stores them in the dtype the client declared)."""
+    written = _WRITTEN.get(fn)
+    if written is None:
+        schema = getattr(fn, "_schema", None)
+        arguments = schema.arguments if schema is not None else ()
+        written = _WRITTEN[fn] = frozenset(
+            key for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write
+            for key in (i, a.name))
+    copies = []  # (original, its float32 copy) of written arguments
+    low = []  # the half-precision dtypes met
+
+    def up(value, is_written):
+        if type(value) is torch.Tensor and value.dtype in _UPCAST:
+            low.append(value.dtype)
+            copy = value.to(_UPCAST[value.dtype])
+            if is_written:
+                copies.append((value, copy))
+            return copy
+        if type(value) is list:
+            return [up(v, is_written) for v in value]
+        return value
+
+    result = fn(*[up(a, i in written) for i, a in enumerate(args)],
+                **{k: up(v, k in written) for k, v in kwargs.items()})
+    originals = {}
+    for original, copy in copies:
+        original.copy_(copy)
+        originals[id(copy)] = original
+
+    # fresh results in the precision CUDA's kernel gives them: that of the inputs
+    half = torch.bfloat16 if low and all(d is torch.bfloat16 for d in low) else torch.float16
+    downcast = {torch.float32: half, torch.complex64: torch.complex32 if half is torch.float16 else torch.complex64}
+
+    def back(value):
+        if type(value) is torch.Tensor:
+            original = originals.get(id(value))
+            if original is not None:
+                return original
+            return value.to(downcast[value.dtype]) if value.dtype in downcast else value
+        if type(value) in (tuple, list):
+            return type(value)(back(v) for v in value)
+        return value
+    return back(result)
 
 
 SESSION_OPS = frozenset({"gpuwire::sdpa_keep", "gpuwire::sdpa_backward_kept", "gpuwire::precision"})

@@ -43,7 +43,8 @@ from ..protocol.events import (
 from .backend import Backend
 from ..pool.sizes import format_size
 from .composite import tensor_leaves
-from .ops import APPLIED_PRECISION, CURRENT, SESSION_OPS, OpTable, apply_precision, math_mode
+from .ops import (APPLIED_PRECISION, CURRENT, LOW_PRECISION_REFUSED, SESSION_OPS, OpTable, apply_precision,
+                  math_mode, run_upcast)
 
 log = logging.getLogger("gpuwire.node")
 
@@ -657,7 +658,14 @@ class Session:
                 finally:
                     CURRENT.session = None
             else:
-                result = call(*args, **kwargs)
+                try:
+                    result = call(*args, **kwargs)
+                except (RuntimeError, NotImplementedError) as exc:
+                    # a CPU kernel without the half-precision support CUDA's has: compute in
+                    # float32, as CUDA's half kernels do inside
+                    if self._device_index != -1 or not LOW_PRECISION_REFUSED.search(str(exc)):
+                        raise
+                    result = run_upcast(fn, args, kwargs)
         self.ops_run += 1
         if bits_before is not None:
             self._materialize_math_bits(bits_before)
@@ -811,7 +819,12 @@ class Session:
         self._guard_allocation(event, fn)
         with self.rng.lock:
             self.rng.acquire(self)
-            result = fn(*event.args, **event.kwargs)
+            try:
+                result = fn(*event.args, **event.kwargs)
+            except (RuntimeError, NotImplementedError) as exc:  # (as in ``_run_op``)
+                if self._device_index != -1 or not LOW_PRECISION_REFUSED.search(str(exc)):
+                    raise
+                result = run_upcast(fn, event.args, event.kwargs)
         self.ops_run += 1
         return self._encode_result(result)
 
