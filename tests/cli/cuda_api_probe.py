@@ -198,6 +198,31 @@ def record_stream():
 check("Tensor.record_stream", record_stream)
 
 
+def functions_that_make_tensors_on_their_inputs_device():
+    """Python-level torch functions create tensors with ``device=input.device`` while the
+    compatibility mode is off (PyTorch pops a mode while its handler runs): F.embedding_bag of
+    a 2-D input (its offsets), multi-head attention with add_zero_attn. User code, hooks and
+    custom backward functions still see "cuda"."""
+    F = torch.nn.functional
+    torch.manual_seed(0)
+    bag = torch.nn.EmbeddingBag(10, 4, mode="mean")
+    ids = torch.randint(0, 10, (3, 5))
+    expected = bag(ids)
+    same_bag = torch.equal(bag.cuda()(ids.cuda()).cpu(), expected)
+    mha = torch.nn.MultiheadAttention(8, 2, add_bias_kv=True, add_zero_attn=True)
+    q = torch.randn(5, 2, 8)
+    local_out = mha(q, q, q)[0]
+    same_mha = torch.equal(mha.cuda()(q.cuda(), q.cuda(), q.cuda())[0].cpu(), local_out)
+    seen = []
+    z = torch.randn(3, requires_grad=True, device="cuda")
+    z.register_hook(lambda grad: seen.append(str(grad.device)))
+    (F.softplus(z) * 2).sum().backward()
+    return [same_bag, same_mha, seen == ["cuda:0"], str(z.device), "device='cuda:0'" in repr(z)]
+
+
+check("torch functions that make tensors on the input's device", functions_that_make_tensors_on_their_inputs_device)
+
+
 def grad_scaler():
     model = torch.nn.Linear(4, 1).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -61,6 +61,43 @@ def _map_device(value):
 
 _TO_METHODS = {torch.Tensor.to}
 _CUDA_METHODS = {torch.Tensor.cuda}
+_PYTHON_FUNCTION = types.FunctionType
+# Python-level torch functions that run the program's code (hooks, custom backward) or show
+# the device to the user: inside them a gpuwire tensor keeps saying "cuda"
+_USER_FACING = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad, torch.Tensor.__repr__,
+                torch.Tensor.__str__, torch.Tensor.__format__, torch.Tensor.register_hook}
+# How many Python-level torch functions (``F.embedding_bag``, ``torch.functional.stft`` ...) are
+# running on this thread. The mode is off inside them (PyTorch pops a mode while its handler
+# runs), so their own factories, e.g. ``torch.arange(..., device=input.device)``, are not
+# rewritten: there a gpuwire tensor tells its real device
+_inside = threading.local()
+
+
+def _as_program_code(hook):
+    """``hook`` run as the program's own code, where gpuwire tensors say "cuda", even when an op
+    inside a Python-level torch function calls it (saved-tensor hooks: activation checkpointing
+    records each saved tensor's device and compares it at recomputation)."""
+    @functools.wraps(hook)
+    def run(*args):
+        depth = getattr(_inside, "depth", 0)
+        if not depth:
+            return hook(*args)
+        _inside.depth = 0
+        try:
+            return hook(*args)
+        finally:
+            _inside.depth = depth
+    return run
+
+
+def _patch_saved_tensor_hooks() -> None:
+    autograd_c = torch._C._autograd
+    push = autograd_c._push_saved_tensors_default_hooks
+
+    def push_as_program_code(pack_hook, unpack_hook):
+        return push(_as_program_code(pack_hook), _as_program_code(unpack_hook))
+
+    autograd_c._push_saved_tensors_default_hooks = push_as_program_code
 
 
 class CudaToGpuwire(TorchFunctionMode):
@@ -78,6 +115,13 @@ class CudaToGpuwire(TorchFunctionMode):
             args = (args[0], _map_device(args[1]), *args[2:])
         elif func in _CUDA_METHODS:
             return args[0].to(GPUWIRE, non_blocking=kwargs.get("non_blocking", False))
+        elif type(func) is _PYTHON_FUNCTION and func not in _USER_FACING:
+            depth = getattr(_inside, "depth", 0)
+            _inside.depth = depth + 1
+            try:
+                return func(*args, **kwargs)
+            finally:
+                _inside.depth = depth
         return func(*args, **kwargs)
 
 
@@ -388,7 +432,9 @@ def _patch_autocast() -> None:
 def _patch_tensor_device() -> None:
     def device(self):
         d = _base_device(self)
-        return torch.device("cuda", d.index or 0) if d.type == DEVICE_TYPE else d
+        if d.type == DEVICE_TYPE and not getattr(_inside, "depth", 0):
+            return torch.device("cuda", d.index or 0)
+        return d
 
     def is_cuda(self):
         return on_device(self) or _base_is_cuda(self)
@@ -594,6 +640,7 @@ def enable() -> None:
     torch.cuda.graphs.CUDAGraph = _CUDAGraph
     torch.cuda.graphs.graph = _CUDAGraph
     _patch_tensor_device()
+    _patch_saved_tensor_hooks()
     _patch_legacy_types()
     _patch_nvtx()
     _patch_autocast()
