@@ -66,7 +66,20 @@ def _register_now() -> None:
         cuda_compat.enable()
 
 
-_register_now()
+def _started_as_the_cli() -> bool:
+    """This process is the ``gpuwire`` command (console script or ``python -m gpuwire``): it
+    imports torch only for the subcommands that need it, so ``gpuwire --help``, ``ls``, ``pool``
+    ... answer in a fraction of a second."""
+    import os
+    import sys
+    argv = getattr(sys, "orig_argv", None) or sys.argv
+    if any(arg == "-m" for arg in argv[1:2]) and argv[2:3] == ["gpuwire"]:
+        return True
+    return bool(sys.argv) and os.path.basename(sys.argv[0]) in ("gpuwire", "gpuwire.exe") and "torch" not in sys.modules
+
+
+if not _started_as_the_cli():
+    _register_now()
 
 
 def device(index: int = 0):

@@ -95,10 +95,16 @@ def run(argv: list[str], *, node: str | None, token: str | None, cuda_compat: bo
     if not argv:
         print("gpuwire run: no command given; usage: gpuwire run [OPTIONS] -- COMMAND [ARGS...]", file=sys.stderr)
         return 2
+    from .client import embedded as embedded_module
     from .client.errors import GpuwireError
-    from .client.runtime import Runtime
 
     node = node or os.environ.get("GPUWIRE_NODE") or None
+    starting = None
+    if node is None and not pool:
+        # the embedded node imports torch while this process does the same (the probe below)
+        starting = embedded_module.begin_embedded_node()
+    from .client.runtime import Runtime
+
     token = token or os.environ.get("GPUWIRE_TOKEN") or None
     embedded = None
     release_lease = None
@@ -115,9 +121,9 @@ def run(argv: list[str], *, node: str | None, token: str | None, cuda_compat: bo
             _say(f"lease {lease.id}: {format_size(lease.memory)}, share {lease.share} of GPU {lease.device} "
                  f"on node {lease.node_id}")
     if node is None:
-        from .client import embedded as embedded_module
         try:
-            node, token = embedded_module.start_embedded_node()
+            node, token = (embedded_module.wait_for_embedded_node(*starting) if starting
+                           else embedded_module.start_embedded_node())
         except Exception as exc:  # noqa: BLE001
             print(f"gpuwire run: could not start an embedded node: {exc}", file=sys.stderr)
             return 2

@@ -319,3 +319,27 @@ def test_lightning_trainer_on_accelerator_gpu(node, tmp_path, precision):
         assert re.findall(r"(?:metrics|weights) .*", remote.stdout) == re.findall(r"(?:metrics|weights) .*", local.stdout)
     else:
         assert re.search(r"'train_loss': \d", remote.stdout)
+
+
+def test_run_without_a_node_starts_an_embedded_one_and_stops_it():
+    # the README's first command: no --node, no GPUWIRE_NODE
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUWIRE_NODE", "GPUWIRE_TOKEN")}
+    done = subprocess.run([sys.executable, "-m", "gpuwire", "run", "--", sys.executable, "-c",
+                           "import torch; x = torch.arange(6.0, device='cuda'); print('sum', (x * 2).sum().item(), x.device)"],
+                          capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "sum 30.0 cuda:0" in done.stdout
+    address = re.search(r"started an embedded node at (\S+)", done.stderr).group(1)
+    host, port = address.rsplit(":", 1)
+    import socket
+    with pytest.raises(OSError):  # the node went away with the run
+        socket.create_connection((host, int(port)), timeout=2).close()
+
+
+def test_cli_commands_that_need_no_torch_do_not_import_it():
+    # `gpuwire --help` took 1.8 s on this machine, most of it importing torch
+    done = subprocess.run([sys.executable, "-m", "gpuwire", "--help"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}, cwd=REPO)
+    assert done.returncode == 0 and "gpuwire run" in done.stdout
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "gpuwire.cli" in imported and "torch" not in imported

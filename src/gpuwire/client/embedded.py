@@ -26,13 +26,24 @@ class EmbeddedNodeFailed(RuntimeError):
 
 def start_embedded_node(backend: str = "cpu") -> tuple[str, str]:
     """Start the child node; return (address, token)."""
+    return wait_for_embedded_node(*begin_embedded_node(backend))
+
+
+def begin_embedded_node(backend: str = "cpu") -> tuple[subprocess.Popen, str]:
+    """Start the child node without waiting for it (it takes a second or two to import torch:
+    the caller can do its own start-up meanwhile); ``wait_for_embedded_node`` finishes."""
+    token = secrets.token_hex(16)
+    cmd = [sys.executable, "-m", "gpuwire", "serve", "--host", "127.0.0.1", "--port", "0",
+           "--backend", backend, "--exit-with-stdin", "--log-level", "warning"]
+    process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=embedded_node_env(token),
+                               text=True)
+    return process, token
+
+
+def wait_for_embedded_node(process: subprocess.Popen, token: str) -> tuple[str, str]:
+    """The (address, token) of a node ``begin_embedded_node`` started, once it listens."""
     global _process
     with _lock:
-        token = secrets.token_hex(16)
-        env = embedded_node_env(token)
-        cmd = [sys.executable, "-m", "gpuwire", "serve", "--host", "127.0.0.1", "--port", "0",
-               "--backend", backend, "--exit-with-stdin", "--log-level", "warning"]
-        process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
         line = _read_line(process, STARTUP_TIMEOUT)
         if not line.startswith("gpuwire node listening on "):
             process.kill()
