@@ -390,3 +390,37 @@ def test_half_precision_ops_a_cpu_kernel_lacks_run_like_cuda(device, dtype):
     target = image.to(device)
     F.rrelu(target, training=False, inplace=True)  # in place: the values come back in half precision
     assert target.dtype == dtype and torch.equal(target.cpu(), F.rrelu(image.float(), training=False).to(dtype))
+
+
+@pytest.mark.parametrize("reduce", [torch.max, torch.min, torch.median, torch.nanmedian])
+@pytest.mark.parametrize("case", ["ties", "nan"])
+def test_global_max_min_median_backward_streams_and_matches_cpu(device, reduce, case):
+    # their backward spreads the gradient evenly over the elements equal to the result;
+    # PyTorch's formula did a .item() (a round trip) every backward on any non-CUDA device
+    x = torch.tensor([[1.0, 5.0, 5.0], [-2.0, 5.0, 0.5]]) if case == "ties" else \
+        torch.tensor([[1.0, float("nan"), 3.0], [float("nan"), 2.0, 0.0]])
+    local = x.clone().requires_grad_()
+    (reduce(local) * 3).backward()
+    remote = x.to(device).requires_grad_()
+    gpuwire.synchronize()
+    rt = gpuwire.client.device.current_runtime()
+    trips = rt.round_trips
+    value = reduce(remote) * 3
+    value.backward()
+    assert rt.round_trips == trips
+    assert torch.equal(value.cpu(), reduce(x) * 3) or (value.isnan().item() and (reduce(x) * 3).isnan())
+    assert torch.equal(remote.grad.cpu(), local.grad)
+    with torch.no_grad():
+        assert torch.equal(reduce(remote).cpu(), reduce(x)) or reduce(x).isnan()
+
+
+def test_global_max_forward_mode_ad_matches_cpu(device):
+    import torch.autograd.forward_ad as fwAD
+    x, tangent = torch.tensor([1.0, 5.0, 5.0, -1.0]), torch.tensor([0.1, 0.2, 0.3, 0.4])
+    results = []
+    for where in ("cpu", device):
+        with fwAD.dual_level():
+            dual = fwAD.make_dual(x.to(where), tangent.to(where))
+            results.append([fwAD.unpack_dual(reduce(dual)).tangent.cpu() for reduce in (torch.max, torch.min, torch.median)])
+    for local, remote in zip(*results):
+        assert torch.equal(remote, local)

@@ -180,7 +180,8 @@ def coordinate(args) -> dict:
     with open(args.out, "w") as fh:
         json.dump(results, fh, indent=1, sort_keys=False)
         fh.write("\n")
-    os.remove(progress)
+    if os.path.exists(progress):  # (a worker that refused its arguments wrote none)
+        os.remove(progress)
     return results
 
 

@@ -189,8 +189,48 @@ def _kernels_that_decompose_only_here() -> list[str]:
     return names
 
 
+class _EvenlyDistributed(torch.autograd.Function):
+    """``max()``/``min()``/``median()``/``nanmedian()`` without a dim: the gradient goes evenly to
+    every element equal to the result. PyTorch's backward (``evenly_distribute_backward``) reads
+    ``value.isnan()`` with ``.item()`` on every device but CUDA, which on this device is a round
+    trip every backward; this is CUDA's sync-free form of it, giving the CPU formula's values."""
+
+    @staticmethod
+    def forward(ctx, op, input):
+        with torch._C._AutoDispatchBelowAutograd():
+            value = op(input)
+        ctx.save_for_backward(input, value)
+        ctx.save_for_forward(input, value)
+        return value
+
+    @staticmethod
+    def backward(ctx, grad):
+        input, value = ctx.saved_tensors
+        mask = (input == value).logical_or_(input.isnan().logical_and_(value.isnan()))
+        return None, torch.where(mask, grad / mask.sum(), 0)
+
+    @staticmethod
+    def jvp(ctx, _op, tangent):  # forward mode: PyTorch's ``evenly_read_jvp``
+        input, value = ctx.saved_tensors
+        mask = input == value
+        return tangent.mul(mask).sum() / mask.sum()
+
+
+def _evenly_distributed(op):
+    from torch.autograd import forward_ad
+
+    def kernel(input):
+        if (input.requires_grad and torch.is_grad_enabled()) or forward_ad._current_level >= 0:
+            return _EvenlyDistributed.apply(op, input)
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(input)
+    return kernel
+
+
 def register(aten_library: torch.library.Library) -> None:
     aten_library.impl("scaled_dot_product_attention", _sdpa, "AutogradPrivateUse1")
+    for name in ("max", "min", "median", "nanmedian"):
+        aten_library.impl(name, _evenly_distributed(getattr(torch.ops.aten, name).default), "AutogradPrivateUse1")
     _register_small_composites(aten_library)
     aten_library.impl("dropout", _dropout, "AutogradPrivateUse1")
     recompute.register(aten_library)
