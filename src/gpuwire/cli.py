@@ -60,6 +60,8 @@ def serve(
                                                        "listen address)."),
     pool_memory: Optional[str] = typer.Option(None, help="GPU memory offered to the pool, e.g. 8GiB "
                                                          "(default: all of it)."),
+    listen_fd: Optional[int] = typer.Option(None, "--listen-fd", hidden=True,
+                                            help="Serve on this inherited listening socket (the embedded node)."),
     exit_with_stdin: bool = typer.Option(False, "--exit-with-stdin", hidden=True,
                                          help="Exit when stdin closes (used by the embedded node)."),
 ):
@@ -105,7 +107,7 @@ def serve(
                         handshake_timeout=handshake_timeout,
                         session_memory=budget, tls=tls)
     try:
-        bound_host, bound_port = server.bind()
+        bound_host, bound_port = server.adopt_listener(listen_fd) if listen_fd is not None else server.bind()
     except OSError as exc:
         typer.echo(f"gpuwire serve: cannot listen on {host}:{port}: {exc.strerror or exc}", err=True)
         raise typer.Exit(2)

@@ -101,9 +101,8 @@ def run(argv: list[str], *, node: str | None, token: str | None, cuda_compat: bo
     node = node or os.environ.get("GPUWIRE_NODE") or None
     starting = None
     if node is None and not pool:
-        # the embedded node imports torch while this process does the same (the probe below)
+        # started first: it imports torch while the program does (this process never does)
         starting = embedded_module.begin_embedded_node()
-    from .client.runtime import Runtime
 
     token = token or os.environ.get("GPUWIRE_TOKEN") or None
     embedded = None
@@ -120,31 +119,19 @@ def run(argv: list[str], *, node: str | None, token: str | None, cuda_compat: bo
             from .pool.sizes import format_size
             _say(f"lease {lease.id}: {format_size(lease.memory)}, share {lease.share} of GPU {lease.device} "
                  f"on node {lease.node_id}")
-    if node is None:
+    child = None
+    if node is None and starting:
+        # the embedded node's address is known before it listens: the program starts now and
+        # imports torch while the node does; its first connection waits for the node
+        node, token = embedded_module.address_of(starting[0]), starting[1]
+        embedded = embedded_module
+    elif node is None:
         try:
-            node, token = (embedded_module.wait_for_embedded_node(*starting) if starting
-                           else embedded_module.start_embedded_node())
+            node, token = embedded_module.start_embedded_node()
         except Exception as exc:  # noqa: BLE001
             print(f"gpuwire run: could not start an embedded node: {exc}", file=sys.stderr)
             return 2
         embedded = embedded_module
-    try:
-        probe = Runtime(node, token=token)
-        info = probe.device_info
-        probe.close()
-    except (GpuwireError, ValueError) as exc:
-        print(f"gpuwire run: {exc}", file=sys.stderr)
-        if embedded:
-            embedded.stop_embedded_node()
-        if release_lease:
-            release_lease()
-        return 2
-    if not quiet:
-        name = info.get("name", "?")
-        if info.get("software") and "software" not in name:
-            name += " (software GPU, CPU backend)"
-        _say(f"GPU 0 is {name} on node {node}"
-             + ("; CUDA programs run unchanged" if cuda_compat else ""))
 
     bin_dir = _nvidia_smi_dir()
     env = dict(os.environ)
@@ -159,15 +146,59 @@ def run(argv: list[str], *, node: str | None, token: str | None, cuda_compat: bo
         env["GPUWIRE_DURABILITY"] = durability
     env["PYTHONPATH"] = BOOT_DIR + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
-    try:
+
+    def cleanup() -> None:
+        shutil.rmtree(bin_dir, ignore_errors=True)
+        if embedded:
+            embedded.stop_embedded_node()
+        if release_lease:
+            release_lease()
+
+    def start_child():
         try:
-            child = subprocess.Popen(argv, env=env)
+            return subprocess.Popen(argv, env=env), None
         except FileNotFoundError:
             print(f"gpuwire run: command not found: {argv[0]}", file=sys.stderr)
-            return 127
+            return None, 127
         except PermissionError:
             print(f"gpuwire run: permission denied: {argv[0]}", file=sys.stderr)
-            return 126
+            return None, 126
+
+    if starting:
+        child, failed = start_child()
+        if child is None:
+            starting[0].kill()
+            cleanup()
+            return failed
+    try:
+        if starting:  # a node of our own: what it said when it started is all there is to check
+            embedded_module.wait_for_embedded_node(*starting)
+            info = {"name": embedded_module.started_name(), "software": True}
+        else:
+            from .client.runtime import Runtime
+            probe = Runtime(node, token=token)
+            info = probe.device_info
+            probe.close()
+    except (GpuwireError, ValueError, embedded_module.EmbeddedNodeFailed) as exc:
+        what = "could not start an embedded node: " if isinstance(exc, embedded_module.EmbeddedNodeFailed) else ""
+        print(f"gpuwire run: {what}{exc}", file=sys.stderr)
+        if child is not None:
+            child.kill()
+            child.wait()
+        cleanup()
+        return 2
+    if not quiet:
+        name = info.get("name", "?")
+        if info.get("software") and "software" not in name:
+            name += " (software GPU, CPU backend)"
+        _say(f"GPU 0 is {name} on node {node}"
+             + ("; CUDA programs run unchanged" if cuda_compat else ""))
+
+    try:
+        if child is None:
+            child, failed = start_child()
+            if child is None:
+                return failed
         previous = {}
         for sig in FORWARDED_SIGNALS:
             previous[sig] = signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
@@ -178,8 +209,4 @@ def run(argv: list[str], *, node: str | None, token: str | None, cuda_compat: bo
                 signal.signal(sig, handler)
         return code if code >= 0 else 128 - code
     finally:
-        shutil.rmtree(bin_dir, ignore_errors=True)
-        if embedded:
-            embedded.stop_embedded_node()
-        if release_lease:
-            release_lease()
+        cleanup()

@@ -343,3 +343,33 @@ def test_cli_commands_that_need_no_torch_do_not_import_it():
     assert done.returncode == 0 and "gpuwire run" in done.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
     assert "gpuwire.cli" in imported and "torch" not in imported
+
+
+FAILING_EMBEDDED_NODE = textwrap.dedent('''
+    import subprocess, sys
+    from gpuwire.client import embedded
+    from gpuwire import launcher
+    started = subprocess.Popen
+
+    def node_that_fails(cmd, **kwargs):  # the embedded node exits at once (an unknown subcommand)
+        return started([part if part != "serve" else "no-such-command" for part in cmd], **kwargs)
+
+    embedded.subprocess.Popen = node_that_fails
+    marker = sys.argv[1]
+    code = launcher.run([sys.executable, "-c", f"import time; time.sleep(30); open({marker!r}, 'w').write('ran')"],
+                        node=None, token=None, cuda_compat=True)
+    print("exit code", code)
+''')
+
+
+def test_run_when_the_embedded_node_fails_stops_the_program_and_says_so(tmp_path):
+    # the program starts while the embedded node boots; a node that never comes up must not
+    # leave it running (or hanging on its first connection)
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING_EMBEDDED_NODE)
+    marker = tmp_path / "program-finished"
+    started = time.monotonic()
+    done = python(str(script), str(marker), timeout=120)
+    assert "exit code 2" in done.stdout, done.stdout + done.stderr
+    assert "could not start an embedded node" in done.stderr
+    assert time.monotonic() - started < 25 and not marker.exists()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import threading
@@ -31,13 +32,31 @@ def start_embedded_node(backend: str = "cpu") -> tuple[str, str]:
 
 def begin_embedded_node(backend: str = "cpu") -> tuple[subprocess.Popen, str]:
     """Start the child node without waiting for it (it takes a second or two to import torch:
-    the caller can do its own start-up meanwhile); ``wait_for_embedded_node`` finishes."""
+    the caller can do its own start-up meanwhile); ``wait_for_embedded_node`` finishes.
+
+    The listening socket is bound here and handed to the node, so its address is known at
+    once (``address_of``): a program can be started and connect while the node still starts
+    (the kernel queues the connection, the handshake waits for the node). Should the node
+    fail, the socket closes with it and the connection is refused."""
     token = secrets.token_hex(16)
-    cmd = [sys.executable, "-m", "gpuwire", "serve", "--host", "127.0.0.1", "--port", "0",
-           "--backend", backend, "--exit-with-stdin", "--log-level", "warning"]
-    process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=embedded_node_env(token),
-                               text=True)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        cmd = [sys.executable, "-m", "gpuwire", "serve", "--listen-fd", str(listener.fileno()),
+               "--backend", backend, "--exit-with-stdin", "--log-level", "warning"]
+        process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=embedded_node_env(token),
+                                   text=True, pass_fds=(listener.fileno(),))
+        host, port = listener.getsockname()
+    finally:
+        listener.close()  # the node holds its own copy
+    process.gpuwire_address = f"{host}:{port}"
     return process, token
+
+
+def address_of(process: subprocess.Popen) -> str:
+    """The address a node from ``begin_embedded_node`` serves on (known before it listens)."""
+    return process.gpuwire_address
 
 
 def wait_for_embedded_node(process: subprocess.Popen, token: str) -> tuple[str, str]:
@@ -50,11 +69,23 @@ def wait_for_embedded_node(process: subprocess.Popen, token: str) -> tuple[str, 
             raise EmbeddedNodeFailed(f"the embedded gpuwire node did not start (it printed {line!r}); "
                                      "run `gpuwire serve` by hand to see why, or set GPUWIRE_NODE")
         address = line.split()[4]
+        global _started_line
+        _started_line = line
         _process = process
         atexit.register(stop_embedded_node)
         print(f"gpuwire: no node configured (GPUWIRE_NODE unset): started an embedded node at {address} "
               "on the CPU backend (software GPU)", file=sys.stderr)
         return address, token
+
+
+_started_line = ""
+
+
+def started_name() -> str:
+    """The device name the embedded node announced ("... listening on ADDR (backend cpu,
+    software GPU: NAME)")."""
+    head, _, name = _started_line.partition("GPU: ")
+    return name[:-1] if head and name.endswith(")") else "gpuwire software GPU"
 
 
 def embedded_node_env(token: str) -> dict:

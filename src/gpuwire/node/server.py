@@ -76,6 +76,16 @@ class NodeServer:
 
     # ------------------------------------------------------------ lifecycle
 
+    def adopt_listener(self, fd: int) -> tuple[str, int]:
+        """Serve on a listening socket this process inherited (file descriptor ``fd``): the
+        embedded node's parent binds it, so its program can connect while the node still
+        starts (the kernel queues the connection; the handshake waits for the node)."""
+        listener = socket.socket(fileno=fd)
+        listener.listen(128)
+        self._listener = listener
+        self.host, self.port = listener.getsockname()[:2]
+        return self.host, self.port
+
     def bind(self) -> tuple[str, int]:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
