@@ -187,6 +187,12 @@ def run(argv: list[str], *, node: str | None, token: str | None, cuda_compat: bo
             child.wait()
         cleanup()
         return 2
+    except BaseException:  # Ctrl-C while the node starts: nothing left behind
+        if child is not None:
+            child.kill()
+            child.wait()
+        cleanup()
+        raise
     if not quiet:
         name = info.get("name", "?")
         if info.get("software") and "software" not in name:
