@@ -11,6 +11,7 @@ remote GPU. Signals are forwarded; the exit code is the child's.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import signal
@@ -27,13 +28,36 @@ def _say(message: str) -> None:
     print(f"gpuwire: {message}", file=sys.stderr, flush=True)
 
 
-def _nvidia_smi_dir() -> str:
-    folder = tempfile.mkdtemp(prefix="gpuwire-bin-")
+def _nvidia_smi_dir() -> tuple[str, bool]:
+    """A folder holding the ``nvidia-smi`` the program finds first on its PATH, and whether it
+    is a temporary one to remove afterwards. It lives in the user's cache, one per Python
+    interpreter, written once: a run that is killed (SIGKILL cannot be cleaned up after) leaves
+    nothing behind. Without a writable cache, a temporary folder."""
+    content = f"#!/bin/sh\nexec \"{sys.executable}\" -m gpuwire smi --nvidia-smi \"$@\"\n"
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    folder = os.path.join(cache, "gpuwire", "bin-" + hashlib.sha256(sys.executable.encode()).hexdigest()[:12])
     script = os.path.join(folder, "nvidia-smi")
-    with open(script, "w") as f:
-        f.write(f"#!/bin/sh\nexec \"{sys.executable}\" -m gpuwire smi --nvidia-smi \"$@\"\n")
-    os.chmod(script, 0o755)
-    return folder
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        with open(script) as f:
+            if f.read() == content and os.access(script, os.X_OK):
+                return folder, False
+    except OSError:
+        pass
+    try:
+        staged = f"{script}.{os.getpid()}"
+        with open(staged, "w") as f:
+            f.write(content)
+        os.chmod(staged, 0o755)
+        os.replace(staged, script)  # atomic: a run starting beside this one sees the whole script
+        return folder, False
+    except OSError:
+        folder = tempfile.mkdtemp(prefix="gpuwire-bin-")
+        script = os.path.join(folder, "nvidia-smi")
+        with open(script, "w") as f:
+            f.write(content)
+        os.chmod(script, 0o755)
+        return folder, True
 
 
 def _lease_from_pool(pool: str, request: dict, quiet: bool):
@@ -133,7 +157,7 @@ def run(argv: list[str], *, node: str | None, token: str | None, cuda_compat: bo
             return 2
         embedded = embedded_module
 
-    bin_dir = _nvidia_smi_dir()
+    bin_dir, bin_dir_is_temporary = _nvidia_smi_dir()
     env = dict(os.environ)
     env.update(GPUWIRE_NODE=node, GPUWIRE_RUN="1", GPUWIRE_CUDA_COMPAT="1" if cuda_compat else "0")
     if token:
@@ -148,7 +172,8 @@ def run(argv: list[str], *, node: str | None, token: str | None, cuda_compat: bo
     env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
 
     def cleanup() -> None:
-        shutil.rmtree(bin_dir, ignore_errors=True)
+        if bin_dir_is_temporary:
+            shutil.rmtree(bin_dir, ignore_errors=True)
         if embedded:
             embedded.stop_embedded_node()
         if release_lease:
