@@ -424,3 +424,33 @@ def test_global_max_forward_mode_ad_matches_cpu(device):
             results.append([fwAD.unpack_dual(reduce(dual)).tangent.cpu() for reduce in (torch.max, torch.min, torch.median)])
     for local, remote in zip(*results):
         assert torch.equal(remote, local)
+
+
+def test_indexing_with_host_boolean_masks_of_the_same_shape(device):
+    # the meta kernel reads a CPU mask's values: a layout cached by the mask's shape alone was
+    # reused for the next mask ("the kernel returned an output of shape [0, 4] ... predicted [2, 4]")
+    x = torch.randn(3, 4)
+    d = x.to(device)
+    for values in ([True, False, True], [False, False, False], [True, True, True], [True, False, True]):
+        for mask in (torch.tensor(values), torch.tensor(values, dtype=torch.uint8).bool()):
+            assert torch.equal(d[mask].cpu(), x[mask])
+            written, expected = d.clone(), x.clone()
+            written[mask] = 7.0
+            expected[mask] = 7.0
+            assert torch.equal(written.cpu(), expected)
+
+
+def test_conj_physical_in_place_and_zero_gradients(device):
+    # conj_physical_ ran its CPU stub on the client ("DispatchStub: missing kernel for gpuwire");
+    # sgn's backward of a real tensor is a ZeroTensor, which the node could not store
+    x = torch.randn(4, dtype=torch.complex64)
+    for make in (lambda t: t.clone(), lambda t: t.conj_physical().conj()):
+        local, remote = make(x), make(x.to(device))
+        local.conj_physical_()
+        remote.conj_physical_()
+        assert torch.equal(remote.cpu(), local) and remote.is_conj() == local.is_conj()
+    r = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    rd = r.detach().to(device).requires_grad_()
+    torch.sgn(r).sum().backward()
+    torch.sgn(rd).sum().backward()
+    assert torch.equal(rd.grad.cpu(), r.grad)

@@ -609,11 +609,22 @@ def queue_op(rt: Runtime, name: str, args, kwargs, outs=()) -> None:
     rt.submit_fresh(rt.conn.encode_op(rt.next_seq(), name, args, kwargs, outs))
 
 
+# A host tensor of these dtypes may be a mask (``x[mask]``, ``index_put_`` with a boolean
+# index): the op's result size depends on its values, which the meta kernel reads (it is a real
+# CPU tensor), so an output layout cached by metadata alone was reused for the next mask.
+_MASK_DTYPES = frozenset((torch.bool, torch.uint8))
+
+
+def _host_mask_key(t: torch.Tensor) -> tuple:
+    return (t.dtype, t.shape, t.stride(), True, t.detach().contiguous().numpy().tobytes())
+
+
 def _signature(values):
     out = []
     for v in values:
         if isinstance(v, torch.Tensor):
-            out.append((v.dtype, v.shape, v.stride(), v.is_cpu, v.is_conj() or v.is_neg()))
+            out.append((v.dtype, v.shape, v.stride(), v.is_cpu, v.is_conj() or v.is_neg())
+                       if not (v.is_cpu and v.dtype in _MASK_DTYPES) else _host_mask_key(v))
         elif isinstance(v, (list, tuple)):
             out.append(_signature(v))
         elif isinstance(v, _Generator):
@@ -663,7 +674,8 @@ def _call_key(args, kwargs, by_class, by_kind) -> tuple:
         if slot.__class__ is str:
             append(slot)  # a keyword argument: its name, then its value's key
         if isinstance(v, _Tensor):
-            append((v.dtype, v.shape, v.stride(), v.is_cpu))
+            append((v.dtype, v.shape, v.stride(), v.is_cpu) if not (v.is_cpu and v.dtype in _MASK_DTYPES)
+                   else _host_mask_key(v))
         elif slot in by_class:
             append(tuple(x.__class__ for x in v) if v.__class__ is list else v.__class__)
         elif slot in by_kind:
@@ -1476,6 +1488,9 @@ def register() -> None:
     for key in ("Conjugate", "Negative"):
         _aten_library.impl("_copy_from", torch.library.fallthrough_kernel, key)
         _aten_library.impl("_copy_from_and_resize", torch.library.fallthrough_kernel, key)
+    # ATen's conj_physical_ runs its stub inline (CompositeExplicitAutograd, no device kernel):
+    # on this device it hit "DispatchStub: missing kernel for gpuwire"; the node runs it whole
+    _aten_library.impl("conj_physical_", _conj_physical_, "PrivateUse1")
     global _to_copy_composite
     _to_copy_composite = torch._C._dispatch_get_computed_kernel_for_dispatch_key("aten::_to_copy",
                                                                                 DispatchKey.PrivateUse1)
@@ -1487,6 +1502,15 @@ def register() -> None:
     precision.install()
     _register_direct(_aten_library)
     _registered = True
+
+
+def _conj_physical_(self):
+    if not self.is_complex():
+        return self
+    rt = runtime()
+    with rt.lock:
+        queue_op(rt, "aten::conj_physical_", (self,), {})
+    return self
 
 
 def _sparse_refused(op, *args, **kwargs):

@@ -262,10 +262,20 @@ class _CpuNodeKernel:
         return self._kernel(*args, **kwargs)
 
 
-# aten ops whose CPU kernel refuses what CUDA's accepts, which programs written for CUDA use
+def _zeros_for_zero_tensor(size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    """``_efficientzerotensor`` (what autograd gives for a gradient known to be zero, e.g. the
+    backward of ``sgn`` of a real tensor) as a real tensor of zeros: a ZeroTensor has no storage
+    to keep under the client's id."""
+    return torch.zeros(size, dtype=dtype, device=device)
+
+
+# aten ops a node runs with a kernel of its own: CPU kernels that refuse what CUDA's accept
+# (which programs written for CUDA use), results a node cannot store as they are
 CPU_NODE_KERNELS = {
     "aten::histc": lambda: _CpuNodeKernel(torch.ops.aten.histc.default, _histc_like_cuda),
     "aten::histc.out": lambda: _CpuNodeKernel(torch.ops.aten.histc.out, _histc_like_cuda),
+    "aten::_efficientzerotensor": lambda: _CpuNodeKernel(torch.ops.aten._efficientzerotensor.default,
+                                                         _zeros_for_zero_tensor),
 }
 
 
