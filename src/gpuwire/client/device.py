@@ -1475,7 +1475,52 @@ def register() -> None:
     _compile.register()
     precision.install()
     _register_direct(_aten_library)
+    _register_fallback_ops(_aten_library, tracing)  # last: after every other PrivateUse1 kernel
     _registered = True
+
+
+def _register_fallback_ops(aten_library, tracing: bool) -> None:
+    """Register the fallback's work as a per-op PrivateUse1 kernel for every ``aten`` op that
+    would reach the boxed fallback.
+
+    PyTorch's Python kernels take a detour when a TorchDispatchMode is active at the kernel or an
+    argument is a tensor subclass with the Python key: the call is routed through the
+    interpreter's "trampoline", which looks the kernel up among the per-op registrations
+    (``Library.impl``) only. A Python *fallback* is not among them, so that call fails an
+    internal assert; on autograd's device thread the error then unwinds through a stream guard
+    whose destructor calls back into Python, and the process aborts ("terminate called without
+    an active exception"). PyTorch's composite-compliance tests (a tensor-subclass gradient on
+    gpuwire tensors) and any wrapper subclass whose backward runs there hit it. As per-op kernels
+    the same plans are found on that path too. ~870 ops, ~10 ms at import; the fallback stays
+    for other namespaces."""
+    table = torch._C._dispatch_dump_table
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if not qualified.startswith("aten::"):
+            continue
+        for line in table(qualified).splitlines():
+            if line.startswith("PrivateUse1:"):
+                if line.endswith("[backend fallback]"):
+                    aten_library.impl(qualified[len("aten::"):], _per_op_kernel(qualified, tracing), "PrivateUse1")
+                break
+
+
+def _per_op_kernel(qualified: str, tracing: bool):
+    """The fallback for one op, as a kernel (called without the op: it is resolved on first use)."""
+    resolved = []
+
+    def kernel(*args, **kwargs):
+        if not resolved:
+            packet, _, overload = qualified[len("aten::"):].partition(".")
+            op = getattr(getattr(aten, packet), overload or "default")
+            resolved.append(op)
+        op = resolved[0]
+        if tracing:
+            return _traced_fallback(op, *args, **kwargs)
+        plan = _PLANS.get(op._op)
+        if plan is None:
+            plan = _PLANS[op._op] = _make_plan(op)
+        return plan(op, args, kwargs)
+    return kernel
 
 
 def _sparse_refused(op, *args, **kwargs):
