@@ -125,3 +125,24 @@ def test_backward_with_a_tensor_subclass_gradient_does_not_abort(node):
     done = subprocess.run([sys.executable, "-c", _SUBCLASS_GRAD_CHILD], env=env, capture_output=True, text=True,
                           timeout=180)
     assert done.returncode == 0 and done.stdout.strip() == "SAME", done.stdout + done.stderr[-2000:]
+
+
+def test_index_with_host_masks_of_one_layout(device):
+    """``x[mask]`` with a CPU boolean mask (allowed on an accelerator, as on CUDA): the layout
+    learned from the first call was cached for the mask's shape, so a later mask of that shape
+    with another number of True values got the first call's result shape (the node refused it
+    at the next sync point). Layouts that depend on a host mask's values are not cached."""
+    x = torch.randn(5, 4)
+    d = x.to(device)
+    masks = [torch.tensor([True, False, True, True, False]), torch.zeros(5, dtype=torch.bool),
+             torch.tensor([False, True, False, False, False]), torch.ones(5, dtype=torch.bool)]
+    for mask in masks + masks:
+        assert torch.equal(d[mask].cpu(), x[mask])
+        assert torch.equal(torch.ops.aten.index.Tensor(d, [mask]).cpu(), x[mask])
+        assert torch.equal(torch.masked_select(d, mask.unsqueeze(1)).cpu(), torch.masked_select(x, mask.unsqueeze(1)))
+    y = torch.zeros(5, 4)
+    dy = y.to(device)
+    for mask in masks:
+        y[mask] = 1.5
+        dy[mask] = 1.5
+    assert torch.equal(dy.cpu(), y)

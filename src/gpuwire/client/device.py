@@ -498,7 +498,7 @@ class FunctionalPlan:
             key = entry = None
         if entry is None:
             entry = self._compute(args, kwargs)
-            if key is not None and entry is not None:
+            if key is not None and entry is not None and not _has_host_mask(args, kwargs):
                 if len(self.cache) >= _CACHE_MAX:
                     self.cache.clear()
                 self.cache[key] = entry
@@ -677,6 +677,25 @@ def _call_key(args, kwargs, by_class, by_kind) -> tuple:
     return tuple(key)
 
 
+_MASK_DTYPES = (torch.bool, torch.uint8, torch.int8)
+
+
+def _has_host_mask(args, kwargs) -> bool:
+    """Whether a CPU tensor of a mask dtype is among the arguments. Its values, not only its
+    layout, can decide the result's shape (``x[mask]``: ``index`` with a CPU boolean mask,
+    allowed on an accelerator as on CUDA; the meta kernels read it), so a layout inferred from
+    one call must not be cached for its signature (checked only when a layout is learned)."""
+    for value in chain(args, kwargs.values()) if kwargs else args:
+        if isinstance(value, _Tensor):
+            if value.is_cpu and value.dtype in _MASK_DTYPES:
+                return True
+        elif value.__class__ is list or value.__class__ is tuple:
+            for item in value:
+                if isinstance(item, _Tensor) and item.is_cpu and item.dtype in _MASK_DTYPES:
+                    return True
+    return False
+
+
 class DirectPlan:
     """A structured op (``add.Tensor``, ``addmm``, ``mul_.Tensor`` …) registered as its own
     PrivateUse1 kernel. Left to PyTorch's generic structured kernel it reaches the device as
@@ -820,10 +839,12 @@ class DirectPlan:
             specs = _fresh_specs(result, args, kwargs)
             if specs is None:
                 return result
-        self._remember(key, specs)
+        self._remember(key, args, kwargs, specs)
         return result
 
-    def _remember(self, key, specs) -> None:
+    def _remember(self, key, args, kwargs, specs) -> None:
+        if _has_host_mask(args, kwargs):
+            return  # (the layout depends on the mask's values)
         if len(self.cache) >= _CACHE_MAX:
             self.cache.clear()
         self.cache[key] = specs
@@ -850,7 +871,7 @@ class DirectPlan:
                 return self._checker(self.op, args, kwargs)
             specs = tuple(entry.specs)
         if key is not None:
-            self._remember(key, specs)
+            self._remember(key, args, kwargs, specs)
         if self.numbers:
             args, kwargs = _numbers_as_tensors(self.numbers, args, kwargs)
         if self.inplace:
