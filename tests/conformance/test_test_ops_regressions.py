@@ -127,6 +127,36 @@ def test_backward_with_a_tensor_subclass_gradient_does_not_abort(node):
     assert done.returncode == 0 and done.stdout.strip() == "SAME", done.stdout + done.stderr[-2000:]
 
 
+def test_inplace_error_is_raised_at_the_call(device):
+    """In-place ops that are not structured kernels skipped shape inference (they have no fresh
+    output), so ``x.floor_divide_(y)`` with a ``y`` that would broadcast ``x`` larger was queued
+    and its error raised at the next sync point, charged to an unrelated line. The first call
+    of each argument signature is now checked by the meta kernel; a refused call runs with a
+    reply and raises the node's (CPU's) own error here. Accepted signatures stay one message."""
+    import gpuwire
+
+    x, y = torch.randn(3) + 5, torch.randn(2, 3) + 2
+    d, e = x.to(device), y.to(device)
+    for name, args in (("floor_divide_", (y,)), ("masked_fill_", (torch.ones(2, 3, dtype=torch.bool), 1.0)),
+                       ("remainder_", (y,)), ("ldexp_", (y,))):
+        with pytest.raises(RuntimeError) as local:
+            getattr(x.clone(), name)(*args)
+        device_args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+        for _ in range(2):  # a refused signature is not remembered as accepted
+            with pytest.raises(RuntimeError) as remote:
+                getattr(d.clone(), name)(*device_args)
+            assert str(local.value).splitlines()[0] in str(remote.value), (name, remote.value)
+    gpuwire.synchronize()  # nothing left to raise later
+    rt = gpuwire.client.device.runtime()
+    d.floor_divide_(e[0])  # accepted: queued, bit for bit as on CPU
+    trips = rt.round_trips
+    for _ in range(3):
+        d.floor_divide_(e[1])
+    assert rt.round_trips == trips
+    expected = x.floor_divide(y[0]).floor_divide(y[1]).floor_divide(y[1]).floor_divide(y[1])
+    assert torch.equal(d.cpu(), expected)
+
+
 def test_index_with_host_masks_of_one_layout(device):
     """``x[mask]`` with a CPU boolean mask (allowed on an accelerator, as on CUDA): the layout
     learned from the first call was cached for the mask's shape, so a later mask of that shape

@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 import threading
+import warnings
 import weakref
 from itertools import chain
 
@@ -395,7 +396,9 @@ class MutatingPlan:
         self.single = len(self.sources) == 1
         self.out_args = [(i, a.name, a.kwarg_only) for i, a in enumerate(op._schema.arguments)
                          if a.is_out and _is_tensor_type(a.type)]
-        self.checker = FunctionalPlan(op) if self.out_args else None
+        self.checker = FunctionalPlan(op)
+        # in-place calls (no out=) whose argument signature was checked: a dict lookup a call
+        self.checked: dict | None = None if self.out_args else {}
         self.numbers = _number_slots(op)
         self.mirrored_as = mirror.functional_for(op._schema)  # (client/mirror.py)
 
@@ -404,8 +407,17 @@ class MutatingPlan:
         _check_written_on_device(self.name, self.written, args, kwargs)
         if self.numbers:
             args, kwargs = _numbers_as_tensors(self.numbers, args, kwargs)
-        if self.out_args and not self._resize_outs(op, args, kwargs):
-            return self._call_sync_outs(op, args, kwargs)
+        if self.out_args:
+            if not self._resize_outs(op, args, kwargs):
+                return self._call_sync_outs(op, args, kwargs)
+        else:
+            try:
+                key = _call_key(args, kwargs, self.checker.by_class, self.checker.by_kind)
+                seen = key in self.checked
+            except TypeError:  # an unhashable argument: checked every call
+                key, seen = None, False
+            if not seen and not self._check_inplace(op, key, args, kwargs):
+                return self._call_sync_inplace(op, key, args, kwargs)
         with rt.lock:
             known = None
             if rt.mirror and self.mirrored_as is not None:
@@ -417,6 +429,42 @@ class MutatingPlan:
             source = self.sources[0]
             return _get_arg(args, kwargs, *source) if source else None
         if not self.sources:  # ``-> ()`` (e.g. _cummax_helper): the kernel must return None
+            return None
+        return tuple(_get_arg(args, kwargs, *s) if s else None for s in self.sources)
+
+    def _check_inplace(self, op, key, args, kwargs) -> bool:
+        """First call of an in-place op with this argument signature: does its meta kernel
+        accept it? An in-place op has no fresh output whose metadata must be inferred, so
+        nothing checked it here, and its error (``x.floor_divide_(y)`` where ``y`` would
+        broadcast ``x`` larger, a mask of the wrong shape ...) was raised by the node at the next
+        sync point, charged to an unrelated line. False when the meta kernel (on a CPU node, the
+        fake CPU kernel too) refuses the call: it then runs with a reply, which raises the
+        node's own error here. Accepted signatures are remembered (a dict lookup a call)."""
+        with warnings.catch_warnings():  # a meta kernel that resizes ``self`` warns: that is an error here
+            warnings.simplefilter("ignore")
+            entry = self.checker._compute(args, kwargs)
+        if entry is None:
+            return False
+        if isinstance(entry, _MetaEntry):
+            _check_not_resized(self.sources, entry.out_shapes, args, kwargs)
+        if key is not None and not _has_host_mask(args, kwargs):
+            if len(self.checked) >= _CACHE_MAX:
+                self.checked.clear()
+            self.checked[key] = True
+        return True
+
+    def _call_sync_inplace(self, op, key, args, kwargs):
+        """An in-place call the meta kernel refused, run with a reply: the node raises its own
+        error at this line; if the node's kernel accepts it after all, the signature is remembered
+        and later calls are queued. The reply's copy of the result is dropped: the op wrote the
+        arguments the client already holds."""
+        _call_sync(op, self.name, args, kwargs)
+        if key is not None:
+            self.checked[key] = True
+        if self.single:
+            source = self.sources[0]
+            return _get_arg(args, kwargs, *source) if source else None
+        if not self.sources:
             return None
         return tuple(_get_arg(args, kwargs, *s) if s else None for s in self.sources)
 
@@ -433,7 +481,17 @@ class MutatingPlan:
         fresh = fresh_ref[0]() if fresh_ref is not None and fresh_ref[1] == runtime().seq else None
         for position, (index, name, kwarg_only) in enumerate(self.out_args):
             out = _get_arg(args, kwargs, index, name, kwarg_only)
-            if not isinstance(out, torch.Tensor) or (out is fresh and out.numel()) or any(out is a for a in args):
+            if not isinstance(out, torch.Tensor) or (out is fresh and out.numel()):
+                continue
+            if any(out is a for a in args):  # also read by the op: it may not be resized
+                with warnings.catch_warnings():  # (the meta kernel warns that it resized it)
+                    warnings.simplefilter("ignore")
+                    entry = self.checker.outputs(op, args, kwargs)
+                if isinstance(entry, _MetaEntry) and position < len(entry.out_shapes):
+                    expected = entry.out_shapes[position]
+                    if expected is not None and tuple(out.shape) != expected:
+                        raise RuntimeError(f"output with shape {list(out.shape)} doesn't match the broadcast "
+                                           f"shape {list(expected)}")
                 continue
             entry = self.checker.outputs(op, args, kwargs)
             if entry is SYNC or entry is None or entry.meta_failed:
@@ -457,6 +515,19 @@ class MutatingPlan:
         if self.single:
             return outs[0]
         return outs if outs else None
+
+
+def _check_not_resized(sources, out_shapes, args, kwargs) -> None:
+    """An in-place op writes tensors it was given, which it may not resize: where its meta
+    kernel resized one (``x.floor_divide_(y)`` with ``y`` broadcasting ``x`` larger), raise
+    TensorIterator's error, as a local run does at this call."""
+    for source, shape in zip(sources, out_shapes):
+        if source is None or shape is None:
+            continue
+        written = _get_arg(args, kwargs, *source)
+        if isinstance(written, torch.Tensor) and tuple(written.shape) != shape:
+            raise RuntimeError(f"output with shape {list(written.shape)} doesn't match the broadcast shape "
+                               f"{list(shape)}")
 
 
 class _MetaEntry:
