@@ -157,6 +157,19 @@ def test_inplace_error_is_raised_at_the_call(device):
     assert torch.equal(d.cpu(), expected)
 
 
+def test_inplace_composite_that_calls_a_dispatch_stub(device):
+    """``conj_physical_`` is a composite kernel that calls ATen's DispatchStub itself, which has
+    no kernel for a Python backend ("DispatchStub: missing kernel for gpuwire"): sent whole."""
+    z = torch.randn(4, 3, dtype=torch.complex64)
+    d = z.to(device)
+    assert d.conj_physical_() is d
+    assert torch.equal(d.cpu(), z.conj_physical())
+    r = torch.randn(5)
+    dr = r.to(device)
+    dr.conj_physical_()
+    assert torch.equal(dr.cpu(), r)
+
+
 def test_index_with_host_masks_of_one_layout(device):
     """``x[mask]`` with a CPU boolean mask (allowed on an accelerator, as on CUDA): the layout
     learned from the first call was cached for the mask's shape, so a later mask of that shape
@@ -176,3 +189,22 @@ def test_index_with_host_masks_of_one_layout(device):
         y[mask] = 1.5
         dy[mask] = 1.5
     assert torch.equal(dy.cpu(), y)
+
+
+def test_fused_kernels_leave_tensor_subclasses_to_their_decomposition(device):
+    """gpuwire's own SDPA and dropout kernels encode their arguments directly; a tensor-subclass
+    wrapper (Python key, no storage of its own) failed there ("Attempted to access the data
+    pointer on an invalid python storage"; PyTorch's TestCompositeCompliance.test_operator).
+    They now run the op's composite decomposition for such arguments."""
+    import torch.nn.functional as F
+    from torch.testing._internal.composite_compliance import generate_cct_and_mode
+
+    CCT, mode = generate_cct_and_mode()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 4, 8) for _ in range(3))
+    wrapped = [CCT(t.to(device), mode) for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*wrapped)
+    torch.testing.assert_close(out.elem.cpu(), F.scaled_dot_product_attention(q, k, v))
+    x = torch.randn(64) + 3
+    dropped = F.dropout(CCT(x.to(device), mode), 0.5, training=True).elem.cpu()
+    assert bool(((dropped == 0) | (dropped == x * 2)).all()) and 0 < int((dropped == 0).sum()) < 64
