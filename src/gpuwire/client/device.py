@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 import threading
+import warnings
 import weakref
 from itertools import chain
 
@@ -395,7 +396,9 @@ class MutatingPlan:
         self.single = len(self.sources) == 1
         self.out_args = [(i, a.name, a.kwarg_only) for i, a in enumerate(op._schema.arguments)
                          if a.is_out and _is_tensor_type(a.type)]
-        self.checker = FunctionalPlan(op) if self.out_args else None
+        self.checker = FunctionalPlan(op)
+        # in-place calls (no out=) whose argument signature was checked: a dict lookup a call
+        self.checked: dict | None = None if self.out_args else {}
         self.numbers = _number_slots(op)
         self.mirrored_as = mirror.functional_for(op._schema)  # (client/mirror.py)
 
@@ -404,8 +407,17 @@ class MutatingPlan:
         _check_written_on_device(self.name, self.written, args, kwargs)
         if self.numbers:
             args, kwargs = _numbers_as_tensors(self.numbers, args, kwargs)
-        if self.out_args and not self._resize_outs(op, args, kwargs):
-            return self._call_sync_outs(op, args, kwargs)
+        if self.out_args:
+            if not self._resize_outs(op, args, kwargs):
+                return self._call_sync_outs(op, args, kwargs)
+        else:
+            try:
+                key = _call_key(args, kwargs, self.checker.by_class, self.checker.by_kind)
+                seen = key in self.checked
+            except TypeError:  # an unhashable argument: checked every call
+                key, seen = None, False
+            if not seen and not self._check_inplace(op, key, args, kwargs):
+                return self._call_sync_inplace(op, key, args, kwargs)
         with rt.lock:
             known = None
             if rt.mirror and self.mirrored_as is not None:
@@ -417,6 +429,42 @@ class MutatingPlan:
             source = self.sources[0]
             return _get_arg(args, kwargs, *source) if source else None
         if not self.sources:  # ``-> ()`` (e.g. _cummax_helper): the kernel must return None
+            return None
+        return tuple(_get_arg(args, kwargs, *s) if s else None for s in self.sources)
+
+    def _check_inplace(self, op, key, args, kwargs) -> bool:
+        """First call of an in-place op with this argument signature: does its meta kernel
+        accept it? An in-place op has no fresh output whose metadata must be inferred, so
+        nothing checked it here, and its error (``x.floor_divide_(y)`` where ``y`` would
+        broadcast ``x`` larger, a mask of the wrong shape ...) was raised by the node at the next
+        sync point, charged to an unrelated line. False when the meta kernel (on a CPU node, the
+        fake CPU kernel too) refuses the call: it then runs with a reply, which raises the
+        node's own error here. Accepted signatures are remembered (a dict lookup a call)."""
+        with warnings.catch_warnings():  # a meta kernel that resizes ``self`` warns: that is an error here
+            warnings.simplefilter("ignore")
+            entry = self.checker._compute(args, kwargs)
+        if entry is None:
+            return False
+        if isinstance(entry, _MetaEntry):
+            _check_not_resized(self.sources, entry.out_shapes, args, kwargs)
+        if key is not None and not _has_host_mask(args, kwargs):
+            if len(self.checked) >= _CACHE_MAX:
+                self.checked.clear()
+            self.checked[key] = True
+        return True
+
+    def _call_sync_inplace(self, op, key, args, kwargs):
+        """An in-place call the meta kernel refused, run with a reply: the node raises its own
+        error at this line; if the node's kernel accepts it after all, the signature is remembered
+        and later calls are queued. The reply's copy of the result is dropped: the op wrote the
+        arguments the client already holds."""
+        _call_sync(op, self.name, args, kwargs)
+        if key is not None:
+            self.checked[key] = True
+        if self.single:
+            source = self.sources[0]
+            return _get_arg(args, kwargs, *source) if source else None
+        if not self.sources:
             return None
         return tuple(_get_arg(args, kwargs, *s) if s else None for s in self.sources)
 
@@ -433,7 +481,17 @@ class MutatingPlan:
         fresh = fresh_ref[0]() if fresh_ref is not None and fresh_ref[1] == runtime().seq else None
         for position, (index, name, kwarg_only) in enumerate(self.out_args):
             out = _get_arg(args, kwargs, index, name, kwarg_only)
-            if not isinstance(out, torch.Tensor) or (out is fresh and out.numel()) or any(out is a for a in args):
+            if not isinstance(out, torch.Tensor) or (out is fresh and out.numel()):
+                continue
+            if any(out is a for a in args):  # also read by the op: it may not be resized
+                with warnings.catch_warnings():  # (the meta kernel warns that it resized it)
+                    warnings.simplefilter("ignore")
+                    entry = self.checker.outputs(op, args, kwargs)
+                if isinstance(entry, _MetaEntry) and position < len(entry.out_shapes):
+                    expected = entry.out_shapes[position]
+                    if expected is not None and tuple(out.shape) != expected:
+                        raise RuntimeError(f"output with shape {list(out.shape)} doesn't match the broadcast "
+                                           f"shape {list(expected)}")
                 continue
             entry = self.checker.outputs(op, args, kwargs)
             if entry is SYNC or entry is None or entry.meta_failed:
@@ -457,6 +515,19 @@ class MutatingPlan:
         if self.single:
             return outs[0]
         return outs if outs else None
+
+
+def _check_not_resized(sources, out_shapes, args, kwargs) -> None:
+    """An in-place op writes tensors it was given, which it may not resize: where its meta
+    kernel resized one (``x.floor_divide_(y)`` with ``y`` broadcasting ``x`` larger), raise
+    TensorIterator's error, as a local run does at this call."""
+    for source, shape in zip(sources, out_shapes):
+        if source is None or shape is None:
+            continue
+        written = _get_arg(args, kwargs, *source)
+        if isinstance(written, torch.Tensor) and tuple(written.shape) != shape:
+            raise RuntimeError(f"output with shape {list(written.shape)} doesn't match the broadcast shape "
+                               f"{list(shape)}")
 
 
 class _MetaEntry:
@@ -498,7 +569,7 @@ class FunctionalPlan:
             key = entry = None
         if entry is None:
             entry = self._compute(args, kwargs)
-            if key is not None and entry is not None:
+            if key is not None and entry is not None and not _has_host_mask(args, kwargs):
                 if len(self.cache) >= _CACHE_MAX:
                     self.cache.clear()
                 self.cache[key] = entry
@@ -689,6 +760,25 @@ def _call_key(args, kwargs, by_class, by_kind) -> tuple:
     return tuple(key)
 
 
+_MASK_DTYPES = (torch.bool, torch.uint8, torch.int8)
+
+
+def _has_host_mask(args, kwargs) -> bool:
+    """Whether a CPU tensor of a mask dtype is among the arguments. Its values, not only its
+    layout, can decide the result's shape (``x[mask]``: ``index`` with a CPU boolean mask,
+    allowed on an accelerator as on CUDA; the meta kernels read it), so a layout inferred from
+    one call must not be cached for its signature (checked only when a layout is learned)."""
+    for value in chain(args, kwargs.values()) if kwargs else args:
+        if isinstance(value, _Tensor):
+            if value.is_cpu and value.dtype in _MASK_DTYPES:
+                return True
+        elif value.__class__ is list or value.__class__ is tuple:
+            for item in value:
+                if isinstance(item, _Tensor) and item.is_cpu and item.dtype in _MASK_DTYPES:
+                    return True
+    return False
+
+
 class DirectPlan:
     """A structured op (``add.Tensor``, ``addmm``, ``mul_.Tensor`` …) registered as its own
     PrivateUse1 kernel. Left to PyTorch's generic structured kernel it reaches the device as
@@ -834,10 +924,12 @@ class DirectPlan:
             specs = _fresh_specs(result, args, kwargs)
             if specs is None:
                 return result
-        self._remember(key, specs)
+        self._remember(key, args, kwargs, specs)
         return result
 
-    def _remember(self, key, specs) -> None:
+    def _remember(self, key, args, kwargs, specs) -> None:
+        if _has_host_mask(args, kwargs):
+            return  # (the layout depends on the mask's values)
         if len(self.cache) >= _CACHE_MAX:
             self.cache.clear()
         self.cache[key] = specs
@@ -866,7 +958,7 @@ class DirectPlan:
                 return self._checker(self.op, args, kwargs)
             specs = tuple(entry.specs)
         if key is not None:
-            self._remember(key, specs)
+            self._remember(key, args, kwargs, specs)
         if self.inplace:
             rt = runtime()
             with rt.lock:
@@ -1488,9 +1580,6 @@ def register() -> None:
     for key in ("Conjugate", "Negative"):
         _aten_library.impl("_copy_from", torch.library.fallthrough_kernel, key)
         _aten_library.impl("_copy_from_and_resize", torch.library.fallthrough_kernel, key)
-    # ATen's conj_physical_ runs its stub inline (CompositeExplicitAutograd, no device kernel):
-    # on this device it hit "DispatchStub: missing kernel for gpuwire"; the node runs it whole
-    _aten_library.impl("conj_physical_", _conj_physical_, "PrivateUse1")
     global _to_copy_composite
     _to_copy_composite = torch._C._dispatch_get_computed_kernel_for_dispatch_key("aten::_to_copy",
                                                                                 DispatchKey.PrivateUse1)
@@ -1501,16 +1590,52 @@ def register() -> None:
     _compile.register()
     precision.install()
     _register_direct(_aten_library)
+    _register_fallback_ops(_aten_library, tracing)  # last: after every other PrivateUse1 kernel
     _registered = True
 
 
-def _conj_physical_(self):
-    if not self.is_complex():
-        return self
-    rt = runtime()
-    with rt.lock:
-        queue_op(rt, "aten::conj_physical_", (self,), {})
-    return self
+def _register_fallback_ops(aten_library, tracing: bool) -> None:
+    """Register the fallback's work as a per-op PrivateUse1 kernel for every ``aten`` op that
+    would reach the boxed fallback.
+
+    PyTorch's Python kernels take a detour when a TorchDispatchMode is active at the kernel or an
+    argument is a tensor subclass with the Python key: the call is routed through the
+    interpreter's "trampoline", which looks the kernel up among the per-op registrations
+    (``Library.impl``) only. A Python *fallback* is not among them, so that call fails an
+    internal assert; on autograd's device thread the error then unwinds through a stream guard
+    whose destructor calls back into Python, and the process aborts ("terminate called without
+    an active exception"). PyTorch's composite-compliance tests (a tensor-subclass gradient on
+    gpuwire tensors) and any wrapper subclass whose backward runs there hit it. As per-op kernels
+    the same plans are found on that path too. ~870 ops, ~10 ms at import; the fallback stays
+    for other namespaces."""
+    table = torch._C._dispatch_dump_table
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if not qualified.startswith("aten::"):
+            continue
+        for line in table(qualified).splitlines():
+            if line.startswith("PrivateUse1:"):
+                if line.endswith("[backend fallback]"):
+                    aten_library.impl(qualified[len("aten::"):], _per_op_kernel(qualified, tracing), "PrivateUse1")
+                break
+
+
+def _per_op_kernel(qualified: str, tracing: bool):
+    """The fallback for one op, as a kernel (called without the op: it is resolved on first use)."""
+    resolved = []
+
+    def kernel(*args, **kwargs):
+        if not resolved:
+            packet, _, overload = qualified[len("aten::"):].partition(".")
+            op = getattr(getattr(aten, packet), overload or "default")
+            resolved.append(op)
+        op = resolved[0]
+        if tracing:
+            return _traced_fallback(op, *args, **kwargs)
+        plan = _PLANS.get(op._op)
+        if plan is None:
+            plan = _PLANS[op._op] = _make_plan(op)
+        return plan(op, args, kwargs)
+    return kernel
 
 
 def _sparse_refused(op, *args, **kwargs):

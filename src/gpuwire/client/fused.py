@@ -128,7 +128,21 @@ class _RemoteSDPA(torch.autograd.Function):
         return grads[0], grads[1], grads[2], grads[3], None, None, None, None
 
 
+_PYTHON_KEY = torch._C.DispatchKey.Python
+
+
+def _has_subclass(*tensors) -> bool:
+    """Whether a tensor subclass with its own ``__torch_dispatch__`` (the Python key) is among
+    ``tensors``: such a wrapper has no storage of its own to name on the wire, so the kernels
+    here, which encode their arguments directly, leave it to the op's composite decomposition,
+    whose ops reach the subclass one by one (PyTorch's composite-compliance tests do this)."""
+    return any(isinstance(t, torch.Tensor) and torch._C._dispatch_keys(t).has(_PYTHON_KEY) for t in tensors)
+
+
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if _has_subclass(query, key, value, attn_mask):
+        return torch.ops.aten.scaled_dot_product_attention.default.decompose(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     return _RemoteSDPA.apply(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
@@ -166,6 +180,8 @@ def _dropout(input, p: float, train: bool):
     the CUDA path is the fused ``native_dropout``."""
     if not train or p == 0.0 or input.numel() == 0:
         return input.clone() if train else input
+    if _has_subclass(input):
+        return torch.ops.aten.dropout.default.decompose(input, p, train)
     if p == 1.0:
         return input * torch.zeros_like(input)
     if _device.runtime().device_info.get("backend") == "cpu":
@@ -227,6 +243,14 @@ def _evenly_distributed(op):
     return kernel
 
 
+# Ops whose CompositeExplicitAutograd kernel calls a DispatchStub itself (ATen's
+# ``conj_physical_`` is ``unary_op_impl_out(self, self, conj_physical_stub)``): a stub has no
+# kernel for a Python backend, so on PrivateUse1 they fail on the client ("DispatchStub: missing
+# kernel for gpuwire"). Sent whole, the node runs them as a local run on its device would.
+# Found by PyTorch's test_ops.py (TestMathBits, complex inputs); no dispatcher query tells them.
+STUB_COMPOSITES = ("conj_physical_",)
+
+
 def register(aten_library: torch.library.Library) -> None:
     aten_library.impl("scaled_dot_product_attention", _sdpa, "AutogradPrivateUse1")
     for name in ("max", "min", "median", "nanmedian"):
@@ -239,6 +263,8 @@ def register(aten_library: torch.library.Library) -> None:
         packet, _, overload = name.partition(".")
         op = getattr(getattr(torch.ops.aten, packet), overload or "default")
         aten_library.impl(name, _whole(op), "PrivateUse1")
+    for name in STUB_COMPOSITES:
+        aten_library.impl(name, _whole(getattr(torch.ops.aten, name).default), "PrivateUse1")
 
 
 # Composites that reach a PrivateUse1 backend as ``empty`` + a fill or copy: two messages, an
