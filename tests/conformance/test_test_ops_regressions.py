@@ -170,6 +170,17 @@ def test_inplace_composite_that_calls_a_dispatch_stub(device):
     assert torch.equal(dr.cpu(), r)
 
 
+def test_mode_with_out_tensors(device):
+    """``mode.values`` (``torch.mode(x, out=...)``) is a composite kernel that checks the device
+    type itself ("mode only supports CPU, CUDA and XPU device type"): sent whole."""
+    x = torch.tensor([[1.0, 2.0, 2.0, 3.0], [4.0, 4.0, 1.0, 1.0]])
+    values, indices = torch.empty(0, device=device), torch.empty(0, dtype=torch.long, device=device)
+    result = torch.mode(x.to(device), 1, out=(values, indices))
+    expected = torch.mode(x, 1)
+    assert result[0] is values and result[1] is indices
+    assert torch.equal(values.cpu(), expected.values) and torch.equal(indices.cpu(), expected.indices)
+
+
 def test_index_with_host_masks_of_one_layout(device):
     """``x[mask]`` with a CPU boolean mask (allowed on an accelerator, as on CUDA): the layout
     learned from the first call was cached for the mask's shape, so a later mask of that shape
@@ -251,3 +262,4 @@ def test_error_on_autograd_device_thread_does_not_abort(node):
     assert lines[1].startswith("gpuwire RAISED"), done.stdout + done.stderr[-2000:]
     assert lines[2] == "after True", done.stdout
     assert "Not composite compliant" in done.stderr
+
