@@ -263,3 +263,24 @@ def test_error_on_autograd_device_thread_does_not_abort(node):
     assert lines[2] == "after True", done.stdout
     assert "Not composite compliant" in done.stderr
 
+
+def test_efficient_zero_tensor(device):
+    """``_efficientzerotensor`` (autograd's zero gradients: the backward of ``sgn`` of a real
+    input, forward-mode tangents) has no storage memory; run on the node its result could not
+    be held ("Attempted to access the data pointer on an invalid python storage", 51 failures in
+    TestCompositeCompliance). The client makes a gpuwire tensor of zeros instead."""
+    z = torch.ops.aten._efficientzerotensor([2, 3], dtype=torch.float64, device=device)
+    assert z.device.type == "gpuwire" and z.dtype == torch.float64
+    assert torch.equal(z.cpu(), torch.zeros(2, 3, dtype=torch.float64))
+    x = torch.randn(4, 5)
+    grads = []
+    for dev in ("cpu", device):
+        t = x.clone().to(dev).requires_grad_()
+        (t.sgn() * 3).sum().backward()
+        grads.append(t.grad.cpu())
+    assert torch.equal(grads[0], grads[1])
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x.to(device), torch.ones(4, 5, device=device))
+        tangent = fwAD.unpack_dual(dual.sgn()).tangent
+    assert torch.equal(tangent.cpu(), torch.zeros(4, 5))

@@ -1421,6 +1421,17 @@ def _resize(op, args, kwargs):
     return t
 
 
+def _efficient_zero_tensor(op, args, kwargs):
+    """``_efficientzerotensor``: a zero tensor whose storage holds no memory (the ZeroTensor key),
+    made by autograd formulas for gradients known to be zero (``sgn``, ``abs`` of real inputs,
+    forward-mode tangents ...). Run on a node it has no storage the session can hold ("Attempted
+    to access the data pointer on an invalid python storage"): a gpuwire tensor of zeros takes its
+    place (the same values; it is writable, where a ZeroTensor would refuse writes)."""
+    size = args[0]
+    return aten.zeros.default(size, dtype=kwargs.get("dtype"), layout=kwargs.get("layout"),
+                              device=DEVICE, pin_memory=kwargs.get("pin_memory"))
+
+
 def _set_empty(op, args, kwargs):
     t = args[0]
     rt = runtime()
@@ -1457,6 +1468,7 @@ SPECIAL = {
     aten._unsafe_view.default: _local,
     aten.is_pinned.default: _is_pinned,
     aten.record_stream.default: _record_stream,
+    aten._efficientzerotensor.default: _efficient_zero_tensor,
 }
 
 
