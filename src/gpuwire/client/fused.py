@@ -243,12 +243,13 @@ def _evenly_distributed(op):
     return kernel
 
 
-# Ops whose CompositeExplicitAutograd kernel calls a DispatchStub itself (ATen's
-# ``conj_physical_`` is ``unary_op_impl_out(self, self, conj_physical_stub)``): a stub has no
-# kernel for a Python backend, so on PrivateUse1 they fail on the client ("DispatchStub: missing
-# kernel for gpuwire"). Sent whole, the node runs them as a local run on its device would.
-# Found by PyTorch's test_ops.py (TestMathBits, complex inputs); no dispatcher query tells them.
-STUB_COMPOSITES = ("conj_physical_",)
+# Ops whose CompositeExplicitAutograd kernel cannot run on the client: ``conj_physical_`` calls
+# a DispatchStub itself (``unary_op_impl_out(self, self, conj_physical_stub)``), which has no
+# kernel for a Python backend ("DispatchStub: missing kernel for gpuwire"); ``mode.values``
+# checks the device type itself ("mode only supports CPU, CUDA and XPU device type"). Sent whole,
+# the node runs them as a local run on its device would. Found by PyTorch's test_ops.py
+# (TestMathBits with complex inputs, test_out); no dispatcher query tells such kernels.
+STUB_COMPOSITES = ("conj_physical_", "mode.values")
 
 
 def register(aten_library: torch.library.Library) -> None:
@@ -264,7 +265,8 @@ def register(aten_library: torch.library.Library) -> None:
         op = getattr(getattr(torch.ops.aten, packet), overload or "default")
         aten_library.impl(name, _whole(op), "PrivateUse1")
     for name in STUB_COMPOSITES:
-        aten_library.impl(name, _whole(getattr(torch.ops.aten, name).default), "PrivateUse1")
+        packet, _, overload = name.partition(".")
+        aten_library.impl(name, _whole(getattr(getattr(torch.ops.aten, packet), overload or "default")), "PrivateUse1")
 
 
 # Composites that reach a PrivateUse1 backend as ``empty`` + a fill or copy: two messages, an
