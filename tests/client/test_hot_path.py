@@ -126,3 +126,49 @@ def test_send_parts_joins_small_frames_and_keeps_bulk_buffers():
     finally:
         a.close()
         b.close()
+
+
+def test_dtype_and_layout_copies_on_the_device_are_one_message_equal_to_cpu(device):
+    """``_to_copy`` from the device to the device (``.to(dtype)``, ``.half()``, autocast's
+    casts, ``.to(memory_format=...)``) is one op message with its result layout computed here;
+    values, dtypes, shapes and strides equal a CPU run's, for dense, strided, broadcast,
+    offset, channels-last and conjugated sources."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(4, 3, 5, 6, generator=g) * 300
+    cases = [
+        (lambda t: t, {"dtype": torch.bfloat16}),
+        (lambda t: t, {"dtype": torch.float16}),
+        (lambda t: t, {"dtype": torch.int32}),
+        (lambda t: t > 0, {"dtype": torch.float32}),
+        (lambda t: t.transpose(1, 3), {"dtype": torch.float64}),
+        (lambda t: t[1:, :, 2:4], {"dtype": torch.bfloat16}),
+        (lambda t: t[:, :1].expand(4, 7, 5, 6), {"dtype": torch.float16}),
+        (lambda t: t.contiguous(memory_format=torch.channels_last), {"dtype": torch.float16}),
+        (lambda t: t, {"dtype": torch.float32, "memory_format": torch.channels_last}),
+        (lambda t: t.transpose(0, 2), {"memory_format": torch.contiguous_format}),
+        # (PyTorch's Conjugate fallback resolves the bit first: one message more, as before)
+        (lambda t: t[..., 0].to(torch.complex64).conj(), {"dtype": torch.complex128}),
+        (lambda t: t.flatten()[:0], {"dtype": torch.float16}),
+    ]
+    rt = _rt()
+    for make, kwargs in cases:
+        local = make(base)
+        remote = make(base.to(device))
+        gpuwire.synchronize()
+        commands = rt.seq
+        got = remote.to(**kwargs)
+        want = local.to(**kwargs)
+        assert rt.seq - commands <= (2 if local.is_conj() else 1), kwargs  # (an Alloc and a copy_ before)
+        assert got.is_conj() == want.is_conj() and got.dtype == want.dtype and got.shape == want.shape and got.stride() == want.stride(), kwargs
+        assert torch.equal(got.cpu(), want), kwargs
+    # the values the client knows of a host upload (integers) stay known through a cast: no round trip
+    lengths = torch.tensor([3, 1, 2]).to(device)
+    gpuwire.synchronize()
+    trips = rt.round_trips
+    assert lengths.long().to(torch.int32).tolist() == [3, 1, 2] and lengths.tolist() == [3, 1, 2]
+    assert rt.round_trips == trips
+    # autograd through the cast: the gradient comes back in the source's dtype
+    w = torch.randn(5, 3, generator=g)
+    wd = w.to(device).requires_grad_()
+    (wd.to(torch.float64) * 2).sum().backward()
+    assert wd.grad.dtype == torch.float32 and torch.equal(wd.grad.cpu(), torch.full((5, 3), 2.0))
