@@ -172,3 +172,22 @@ def test_dtype_and_layout_copies_on_the_device_are_one_message_equal_to_cpu(devi
     wd = w.to(device).requires_grad_()
     (wd.to(torch.float64) * 2).sum().backward()
     assert wd.grad.dtype == torch.float32 and torch.equal(wd.grad.cpu(), torch.full((5, 3), 2.0))
+
+
+def test_host_scalar_tensors_arrive_with_their_dtype_and_value(device):
+    """A 0-dim CPU tensor among an op's arguments travels by value (``inline_ext``; a fast path
+    for numpy-packable dtypes): the same bytes as the general path, and the op's result equals
+    CPU's, type promotion included."""
+    x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    xd = x.to(device)
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                  torch.bool, torch.uint8, torch.complex64):
+        s = torch.tensor(3, dtype=dtype)
+        general = msgpack.ExtType(wire.codec.EXT_INLINE_TENSOR, msgpack.packb(
+            (wire.DTYPE_CODE[dtype], (), bytes(s.reshape(1).view(torch.uint8).numpy())), use_bin_type=True))
+        assert wire.inline_ext(s) == general, dtype
+        got = (xd * s).cpu()
+        want = x * s
+        assert got.dtype == want.dtype and torch.equal(got, want), dtype
+    conj = torch.tensor(1 + 2j, dtype=torch.complex64).conj()  # a lazy bit: resolved by the general path
+    assert torch.equal((xd * conj).cpu(), x * conj)

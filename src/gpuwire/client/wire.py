@@ -69,8 +69,17 @@ def tensor_ext(t: torch.Tensor) -> msgpack.ExtType:
     return _ext((codec.EXT_TENSOR, _pack((storage_id, offset, t.shape, t.stride(), DTYPE_CODE[t.dtype], flags))))
 
 
+# dtypes whose 0-dim tensors ``inline_ext`` packs through numpy directly
+_NUMPY_SCALAR_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.bool,
+                                  torch.int16, torch.int8, torch.uint8, torch.complex64, torch.complex128))
+
+
 def inline_ext(t: torch.Tensor) -> msgpack.ExtType:
     """A host tensor passed by value (e.g. a 0-dim CPU scalar tensor in ``x + torch.tensor(2.)``)."""
+    if (not t.shape and t.dtype in _NUMPY_SCALAR_DTYPES and not t.requires_grad and not t.is_conj()
+            and not t.is_neg()):
+        # the hot case: the wrapped number C++ passes for ``x.add_(1)`` or ``x * 0.5`` (1.4 us, not 5.7)
+        return _ext((codec.EXT_INLINE_TENSOR, _pack((DTYPE_CODE[t.dtype], (), t.numpy().tobytes()))))
     c = t.detach().resolve_conj().resolve_neg().contiguous()
     nbytes = c.numel() * c.element_size()
     if nbytes > MAX_INLINE_BYTES:
