@@ -223,6 +223,64 @@ def functions_that_make_tensors_on_their_inputs_device():
 check("torch functions that make tensors on the input's device", functions_that_make_tensors_on_their_inputs_device)
 
 
+def python_backward_code_makes_cuda_tensors():
+    """Autograd runs backward on its device thread; the program's backward code there (a custom
+    ``autograd.Function.backward``, a reentrant checkpoint) still has ``"cuda"`` rewritten."""
+    class Shift(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(str(grad.device))
+            return grad * 2 + torch.ones(3, device="cuda") + torch.zeros(3, device=grad.device)
+
+    seen = []
+    x = torch.randn(3, device="cuda", requires_grad=True)
+    Shift.apply(x).sum().backward()
+    lin = torch.nn.Linear(3, 3).cuda()
+    y = torch.randn(4, 3, device="cuda", requires_grad=True)
+    torch.utils.checkpoint.checkpoint(lambda t: lin(t).relu() + torch.ones(3, device="cuda"), y,
+                                      use_reentrant=True).sum().backward()
+    z = torch.randn(3, device="cuda", requires_grad=True)
+    z.register_hook(lambda grad: grad + torch.ones(3, device="cuda"))  # a gradient hook, same thread
+    (z * 2).sum().backward()
+    return [x.grad.tolist() == [3.0, 3.0, 3.0], seen == ["cuda:0"], y.grad is not None,
+            z.grad.tolist() == [3.0, 3.0, 3.0]]
+
+
+check("custom autograd.Function backward making cuda tensors", python_backward_code_makes_cuda_tensors)
+
+
+def flex_attention_eager():
+    """``flex_attention`` without torch.compile runs a higher-order op's Python implementation,
+    which makes its index tensors on the inputs' device; equal to CPU, and its backward runs."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 32, 8) for _ in range(3))
+    score_mod = lambda s, b, h, qi, kv: s + (qi - kv) * 0.05  # noqa: E731
+    causal = lambda b, h, qi, kv: qi >= kv  # noqa: E731
+    local = flex_attention(q, k, v, score_mod=score_mod, block_mask=create_block_mask(causal, 1, 2, 32, 32, device="cpu"))
+    qc, kc, vc = (t.cuda().requires_grad_() for t in (q, k, v))
+    remote = flex_attention(qc, kc, vc, score_mod=score_mod,
+                            block_mask=create_block_mask(causal, 1, 2, 32, 32, device="cuda"))
+    remote.sum().backward()
+    # the same attention in plain ops, for the gradients (CPU has no flex_attention backward)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    i = torch.arange(32)
+    scores = qr @ kr.transpose(-2, -1) / 8 ** 0.5 + (i[:, None] - i[None, :]) * 0.05
+    (scores.masked_fill(i[:, None] < i[None, :], float("-inf")).softmax(-1) @ vr).sum().backward()
+    grads = all(torch.allclose(a.grad.cpu(), b.grad, atol=1e-5) for a, b in ((qc, qr), (kc, kr), (vc, vr)))
+    return [torch.equal(remote.detach().cpu(), local), grads, str(remote.device)]
+
+
+check("flex_attention (eager)", flex_attention_eager)
+
+
 def grad_scaler():
     model = torch.nn.Linear(4, 1).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
