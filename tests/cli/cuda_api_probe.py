@@ -281,6 +281,25 @@ def flex_attention_eager():
 check("flex_attention (eager)", flex_attention_eager)
 
 
+def debugging_aids():
+    """Sync debug mode and memory-history recording: accepted (scripts turn them on); the
+    snapshot is empty since the allocations live in the node's allocator."""
+    torch.cuda.set_sync_debug_mode("warn")
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.memory._record_memory_history(max_entries=1000)
+    torch.randn(10, device="cuda").sum().item()
+    path = os.path.join(tempfile.mkdtemp(), "snapshot.pickle")
+    torch.cuda.memory._dump_snapshot(path)
+    torch.cuda.memory._record_memory_history(enabled=None)
+    return [mode == 1, torch.cuda.get_sync_debug_mode() == 0, sorted(torch.cuda.memory._snapshot()) ==
+            ["allocator_settings", "device_traces", "segments"], os.path.getsize(path) > 0,
+            torch.cuda.memory_snapshot() == []]
+
+
+check("sync debug mode and memory history", debugging_aids)
+
+
 def grad_scaler():
     model = torch.nn.Linear(4, 1).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

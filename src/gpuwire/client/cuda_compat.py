@@ -312,7 +312,43 @@ def _cuda_functions() -> dict:
         "graph": _CUDAGraph,
         "make_graphed_callables": _unsupported("torch.cuda.make_graphed_callables", "call the modules directly"),
         "set_per_process_memory_fraction": _set_memory_fraction,
+        # debugging aids some scripts turn on: the sync debug mode is kept (ops are not checked
+        # against it), a memory snapshot is empty (the node's allocator is not local)
+        "set_sync_debug_mode": _set_sync_debug_mode,
+        "get_sync_debug_mode": lambda: _sync_debug_mode[0],
+        "memory_snapshot": lambda *args, **kwargs: [],
     }
+
+
+_sync_debug_mode = [0]
+
+
+def _set_sync_debug_mode(debug_mode) -> None:
+    modes = {"default": 0, "warn": 1, "error": 2}
+    if isinstance(debug_mode, str):
+        if debug_mode not in modes:
+            raise RuntimeError("invalid value of debug_mode, expected one of `default`, `warn`, `error`")
+        debug_mode = modes[debug_mode]
+    _sync_debug_mode[0] = int(debug_mode)
+
+
+def _patch_memory_history() -> None:
+    """``torch.cuda.memory._record_memory_history`` / ``_snapshot`` / ``_dump_snapshot`` (memory
+    profiling) call CUDA-only C functions; here recording is a no-op and a snapshot is empty:
+    the allocations live in the node's allocator (``torch.cuda.memory_stats`` has this
+    session's figures)."""
+    import pickle
+
+    memory = torch.cuda.memory
+    empty = lambda: {"segments": [], "device_traces": [[]], "allocator_settings": {}}  # noqa: E731
+
+    def dump_snapshot(filename="dump_snapshot.pickle"):
+        with open(filename, "wb") as f:
+            pickle.dump(empty(), f)
+
+    memory._record_memory_history = lambda *args, **kwargs: None
+    memory._snapshot = lambda *args, **kwargs: empty()
+    memory._dump_snapshot = dump_snapshot
 
 
 def _set_memory_fraction(fraction: float, device=None) -> None:
@@ -702,6 +738,7 @@ def enable() -> None:
     _patch_distributed()
     _patch_threads()
     _patch_python_backward()
+    _patch_memory_history()
     _patch_cudnn()
     _patch_profiler()
     _mode = CudaToGpuwire()
