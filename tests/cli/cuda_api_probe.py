@@ -300,6 +300,31 @@ def debugging_aids():
 check("sync debug mode and memory history", debugging_aids)
 
 
+def rnns_under_autocast():
+    """cuDNN's autocast wrapper runs RNNs in float16 whatever the autocast dtype; so do they
+    here: outputs and hidden states float16 (close to the float32 CPU run), gradients float32."""
+    torch.manual_seed(0)
+    found = []
+    for cls in (torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN):
+        rnn = cls(8, 16, num_layers=2, batch_first=True)
+        x = torch.randn(4, 5, 8)
+        with torch.no_grad():
+            reference = rnn(x)[0]
+        rnn = rnn.cuda()
+        for dtype in (torch.float16, torch.bfloat16):
+            with torch.autocast("cuda", dtype=dtype):
+                out, hidden = rnn(x.cuda())
+            out.float().sum().backward()
+            h = hidden[0] if isinstance(hidden, tuple) else hidden
+            found.append([str(out.dtype), str(h.dtype), float((out.float().cpu() - reference).abs().max()) < 1e-2,
+                          str(rnn.weight_ih_l0.grad.dtype)])
+            rnn.zero_grad()
+    return [found == [["torch.float16", "torch.float16", True, "torch.float32"]] * 6, repr(found)]
+
+
+check("RNNs under autocast", rnns_under_autocast)
+
+
 def grad_scaler():
     model = torch.nn.Linear(4, 1).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

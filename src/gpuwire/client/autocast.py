@@ -35,6 +35,11 @@ FP32_SET_OPT_DTYPE = (
     "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum", "linalg_vector_norm",
     "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "sum", "sum.dim_IntList",
 )
+# RNNs: on CUDA, cuDNN runs them and its autocast wrapper (aten/src/ATen/cudnn/AutocastRNN.cpp)
+# casts the input, hidden state and weights to float16 whatever the autocast dtype; here the
+# whole RNN op is cast the same way, so outputs have the dtype a CUDA run gives
+RNN_HALF = ("lstm.input", "lstm.data", "gru.input", "gru.data", "rnn_tanh.input", "rnn_tanh.data", "rnn_relu.input",
+            "rnn_relu.data")
 PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid_sampler", "index_put", "tensordot",
            "scatter_add")
 
@@ -104,7 +109,13 @@ def _kernel(op, policy: str):
         with torch._C._ExcludeDispatchKeyGuard(_EXCLUDE):
             return op(*args, **kwargs)
 
-    return {"lower": lower, "fp32": fp32, "fp32_set_opt_dtype": fp32_set_opt_dtype, "promote": promote}[policy]
+    def rnn_half(*args, **kwargs):
+        args = tuple(_cast(a, torch.float16) for a in args)
+        with torch._C._ExcludeDispatchKeyGuard(_EXCLUDE):
+            return op(*args, **kwargs)
+
+    return {"lower": lower, "fp32": fp32, "fp32_set_opt_dtype": fp32_set_opt_dtype, "promote": promote,
+            "rnn_half": rnn_half}[policy]
 
 
 def _banned_binary_cross_entropy(*args, **kwargs):
@@ -123,7 +134,7 @@ def register() -> None:
         return
     library = torch.library.Library("aten", "IMPL")
     for policy, names in (("lower", LOWER_PRECISION), ("fp32", FP32), ("fp32_set_opt_dtype", FP32_SET_OPT_DTYPE),
-                          ("promote", PROMOTE)):
+                          ("promote", PROMOTE), ("rnn_half", RNN_HALF)):
         for name in names:
             try:
                 op = _op(name)
