@@ -409,4 +409,35 @@ def memory_fraction():
 
 
 check("set_per_process_memory_fraction", memory_fraction)
+
+
+def out_of_memory_as_libraries_see_it():
+    """An allocation past the device's memory raises at its line (not at the next sync point),
+    as torch.cuda.OutOfMemoryError with CUDA's wording, so batch-size finders recognise it:
+    accelerate's find_executable_batch_size halves the batch until a step fits."""
+    from accelerate.utils import find_executable_batch_size
+    from lightning.pytorch.utilities.memory import is_oom_error
+
+    try:
+        torch.empty(1 << 50, device="cuda")
+        at_the_line = False
+    except torch.cuda.OutOfMemoryError as exc:
+        at_the_line = len(exc.args) == 1 and exc.args[0].startswith("CUDA out of memory.") and is_oom_error(exc)
+    # a small budget, so that the batches tried stay small on any machine
+    cap = torch.cuda.get_device_properties(0).total_memory // 512
+    torch.cuda.set_per_process_memory_fraction(1 / 512)
+    tried = []
+
+    @find_executable_batch_size(starting_batch_size=64)
+    def step(batch_size):
+        tried.append(batch_size)
+        x = torch.empty(batch_size, cap // 16, dtype=torch.uint8, device="cuda")  # 16 and more cannot fit
+        return x.shape[0]
+
+    fitted = step()
+    return [at_the_line, tried[0] == 64, tried == sorted(set(tried), reverse=True), fitted == tried[-1], fitted < 16,
+            len(tried) > 1]
+
+
+check("out of memory as libraries see it", out_of_memory_as_libraries_see_it)
 print("RESULTS " + json.dumps(results))

@@ -26,7 +26,7 @@ WORKS = ["is_available", "device_count", "get_device_name", "get_device_properti
          "is_cuda", "device.type == 'cuda'", "Module.cuda()", "set_default_device('cuda')", "pin_memory + non_blocking",
          "autocast('cuda')", "autocast('cuda', dtype=torch.float32)", "nn.LSTM on cuda (no cuDNN warning)", "torch.profiler with ProfilerActivity.CUDA", "Tensor.record_stream", "torch functions that make tensors on the input's device",
          "custom autograd.Function backward making cuda tensors", "flex_attention (eager)",
-         "sync debug mode and memory history", "RNNs under autocast",
+         "sync debug mode and memory history", "RNNs under autocast", "out of memory as libraries see it",
          "GradScaler('cuda')", "torch.save/torch.load(map_location='cuda')", "torch.compile", "nn.DataParallel",
          "torch.accelerator", "torch.cuda.nvtx", "Generator(device='cuda')", "torch.cuda.FloatTensor and friends",
          "set_per_process_memory_fraction"]

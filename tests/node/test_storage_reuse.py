@@ -77,3 +77,21 @@ def test_kernel_outputs_go_back_to_malloc_and_uploads_to_the_cache():
     assert HOST_STORAGES.bytes_held == 4 * numel, "a freed upload block was not kept for the next upload"
     session.close()
     HOST_STORAGES.clear()
+
+
+def test_a_block_freed_before_anything_read_it_is_not_zeroed_yet_reads_as_zeros_when_reused(node):
+    """``torch.empty`` then dropped (a batch-size finder's failed try, a scratch buffer): the
+    Alloc's lazy zeroing is skipped when the next command frees the storage, since nothing can
+    read it; a later allocation that reuses the block still reads as zeros."""
+    owner, other = Runtime(node.address), Runtime(node.address)
+    try:
+        nbytes = 5 * MiB
+        _leave_secret(owner, nbytes)  # the block now holds another session's bytes
+        dropped = owner.allocate(nbytes)  # reuses it: zeroing pending
+        owner.enqueue(owner.conn.send(Free(seq=owner.next_seq(), storage_ids=[dropped])))
+        owner.synchronize()
+        fresh = other.allocate(nbytes)  # reuses it again
+        assert bytes(other.read(fresh, 0, nbytes)) == bytes(nbytes)
+    finally:
+        owner.close()
+        other.close()

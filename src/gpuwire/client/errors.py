@@ -37,6 +37,15 @@ _MIRRORED = ("RuntimeError", "ValueError", "TypeError", "IndexError", "NotImplem
              "ZeroDivisionError", "OverflowError", "AssertionError")
 
 
+def out_of_memory_prefix() -> str:
+    """How an out-of-memory message starts. Under CUDA compatibility it starts as CUDA's does,
+    since libraries recognise an OOM by its text to retry with a smaller batch: accelerate's
+    ``find_executable_batch_size`` and the transformers Trainer's ``auto_find_batch_size`` look
+    for "CUDA out of memory.", Lightning's batch-size finder for "CUDA" and "out of memory"."""
+    from . import cuda_compat
+    return "CUDA out of memory. " if cuda_compat.enabled() else "gpuwire device out of memory. "
+
+
 def remote_error(op: str, seq: int, exc_type: str, message: str, node: str) -> RemoteError:
     """A RemoteError that is also an instance of the node-side builtin exception type, so
     ``except RuntimeError`` and torch's own error checks behave as with a local device."""
@@ -45,6 +54,7 @@ def remote_error(op: str, seq: int, exc_type: str, message: str, node: str) -> R
     if exc_type == "OutOfMemoryError":
         import torch
         base = torch.OutOfMemoryError
+        text = out_of_memory_prefix() + text
     elif exc_type in _MIRRORED:
         base = getattr(builtins, exc_type)
     elif exc_type.endswith("Error") and exc_type not in ("SessionError", "OpRefused"):

@@ -45,6 +45,7 @@ from ..protocol.events import (
     Write,
 )
 from .errors import ConnectionLost, NodeUnreachable, RemoteError, remote_error
+from ..pool.sizes import format_size
 from .recovery import Recovery
 from .wire import encode_default
 
@@ -129,6 +130,7 @@ class Runtime:
         self._live: dict[int, StorageRef] = {}
         self._live_bytes: dict[int, int] = {}
         self.bytes_in_use = 0
+        self._device_capacity: int | None = None  # the device's whole memory (Welcome), checked in ``reserve``
         self.memory_budget: int | None = None
         self._allocs_since_scan = 0
         self._dead: BaseException | None = None
@@ -206,6 +208,8 @@ class Runtime:
         a rebuild or a move to another node)."""
         self.welcome = welcome
         self.device_info = dict(welcome.device)
+        total = self.device_info.get("total_memory")
+        self._device_capacity = total if isinstance(total, int) and total > 0 else None
         budget = welcome.limits.get("memory_budget")
         self.memory_budget = budget if isinstance(budget, int) and budget > 0 else None
         self.session_id = welcome.session_id
@@ -445,14 +449,21 @@ class Runtime:
 
     def reserve(self, nbytes: int) -> int:
         """A fresh virtual address (storage id) for ``nbytes``; never reused in this session.
-        Raises torch.OutOfMemoryError here, at the user's line, past the session's budget."""
+        Raises torch.OutOfMemoryError here, at the user's line, past the session's budget or
+        past the device's whole memory (the node checks the rest when the allocation arrives)."""
         budget = self.memory_budget
+        if budget is None:
+            budget = self._device_capacity
         if budget is not None and self.bytes_in_use + nbytes > budget:
             self._collect_garbage()
             if self.bytes_in_use + nbytes > budget:
+                from .errors import out_of_memory_prefix
+                what = ("this session's memory budget" if self.memory_budget is not None
+                        else "the device's memory")
                 raise torch.OutOfMemoryError(
-                    f"gpuwire: allocating {nbytes} bytes would exceed this session's memory budget of {budget} "
-                    f"bytes ({self.bytes_in_use} in use on node {self.address}). Free tensors or ask for a larger budget")
+                    f"{out_of_memory_prefix()}Tried to allocate {format_size(nbytes)}: gpuwire: that would exceed {what} "
+                    f"of {format_size(budget)} ({format_size(self.bytes_in_use)} in use by this session on node "
+                    f"{self.address}). Free tensors, use smaller sizes, or ask for a larger budget")
         address = self._next_address
         self._next_address = address + ((max(nbytes, 1) + 2 * ALIGN - 1) & ~(ALIGN - 1))
         return address

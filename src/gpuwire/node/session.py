@@ -403,6 +403,9 @@ class Session:
         if pending is None:
             return False
         cls = type(event)
+        if cls is Free and pending[0] in event.storage_ids:
+            self._unzeroed = None  # freed unread (``torch.empty`` then dropped): nothing to zero
+            return True
         if cls is Write and event.storage_id == pending[0] and event.byte_offset == pending[1]:
             pending[1] += len(event.payload)
             if pending[1] >= pending[2]:
