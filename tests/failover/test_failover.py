@@ -30,7 +30,10 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("failover"))
-    pool = PoolProcess(folder, "--heartbeat-interval", "0.5")
+    # dead after 3 s without a heartbeat: quick to notice a killed node, and not so quick that a
+    # node starved of CPU by a loaded CI machine is buried while alive (a spurious failover made
+    # the run resume elsewhere before the kill, once, under a load average of 4-5)
+    pool = PoolProcess(folder, "--heartbeat-interval", "0.5", "--heartbeat-misses", "6")
     admin = pool.admin()
     node_key = admin.create_key(role="node")["key"]
     admin.create_tenant("team")
