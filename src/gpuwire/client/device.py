@@ -1399,7 +1399,10 @@ def _copy_from(op, args, kwargs):
         with rt.lock:
             known = None
             if rt.mirror:  # a copy writes into ``dst``'s storage and nowhere else
-                known = mirror.host_view(rt, src)
+                # (not from ``dst``'s own storage: ``x.copy_(x.t())`` overlaps, which the
+                # node's copy refuses, writing nothing: the mirror must not hold its result)
+                if storage_id_of(src) != storage_id_of(dst):
+                    known = mirror.host_view(rt, src)
                 rt.mirror.pop(storage_id_of(dst), None)
             rt.submit_fresh(rt.conn.encode_op(rt.next_seq(), "aten::copy_", (dst, src), {}, ()))
             if known is not None:
