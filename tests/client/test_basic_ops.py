@@ -338,6 +338,25 @@ def test_a_number_for_a_tensor_argument_is_streamed_not_a_round_trip(device, nam
         assert torch.equal(r.cpu(), fn(x)), name
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32])
+def test_a_number_that_does_not_fit_a_0dim_integer_tensor_is_converted_not_promoted(device, dtype):
+    # ``t % 300`` of a 0-dim int8 ``t``: C++ wraps 300 as a number that takes ``t``'s dtype (the
+    # cast wraps it, 300 -> 44); the client sent an int64 0-dim tensor, which promoted the result
+    # to int64 (or, with the layout learned from an earlier call, int8 of the int64 values)
+    for value in (-1, 128, 200, 255, 256, 300, -129, 2**31, 2**40):
+        for t in (torch.tensor(-3, dtype=dtype), torch.tensor(5, dtype=dtype)):
+            for fn in (lambda a: a % value, lambda a: torch.fmod(a, value), lambda a: a & value,
+                       lambda a: a | value, lambda a: a ^ value):
+                try:
+                    want = fn(t)
+                except RuntimeError:  # the value wraps to 0: "ZeroDivisionError"
+                    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+                        fn(t.to(device)).cpu()
+                    continue
+                got = fn(t.to(device)).cpu()
+                assert got.dtype == want.dtype and torch.equal(got, want), (dtype, value, t)
+
+
 @pytest.mark.parametrize("loss", [torch.nn.functional.mse_loss, torch.nn.functional.smooth_l1_loss])
 def test_reduced_losses_are_one_message_from_the_first_call(device, loss):
     # their generic kernel (``empty`` + ``X.out``) was two messages every call, and made a CPU

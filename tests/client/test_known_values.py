@@ -158,3 +158,26 @@ def test_an_op_that_writes_what_its_schema_does_not_say(device):
         assert torch.equal(remote.running_mean.cpu(), local.running_mean)
         assert torch.equal(remote.running_var.cpu(), local.running_var)
         assert remote.num_batches_tracked.item() == local.num_batches_tracked.item()
+
+
+@pytest.mark.parametrize("write", [
+    lambda x: x.copy_(x.t()),
+    lambda x: torch.logical_not(x.t(), out=x),
+    lambda x: torch.eq(x.t(), True, out=x),
+    lambda x: torch.bitwise_not(x.t(), out=x),
+])
+def test_a_write_refused_for_overlapping_its_source_is_not_known(device, write):
+    """A copy or out= op whose target is its source's storage seen another way: the kernel
+    refuses the partial overlap and writes nothing (local CPU raises at the line; the node
+    raises it at the next sync point). The client mirrored the refused result, so every read
+    after it returned values the tensor never had, without raising the node's error."""
+    values = [[True, False], [True, True]]
+    with pytest.raises(RuntimeError, match="refer to a single memory location"):
+        write(torch.tensor(values))
+    x = torch.tensor(values).to(device)
+    with pytest.raises(RuntimeError, match="refer to a single memory location"):
+        write(x)
+        x.cpu()
+    assert torch.equal(x.cpu(), torch.tensor(values))  # what the node holds: unchanged, as on CPU
+    torch.logical_not(x, out=x)  # exactly itself: valid, and still right
+    assert x.tolist() == [[False, True], [False, False]]

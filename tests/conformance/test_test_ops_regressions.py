@@ -284,3 +284,27 @@ def test_efficient_zero_tensor(device):
         dual = fwAD.make_dual(x.to(device), torch.ones(4, 5, device=device))
         tangent = fwAD.unpack_dual(dual.sgn()).tangent
     assert torch.equal(tangent.cpu(), torch.zeros(4, 5))
+
+
+def test_factories_of_a_device_tensor_honor_their_device_argument(device):
+    """``x.new_ones(n, device="cpu")``, ``torch.zeros_like(x, device="cpu")`` and the like reach
+    gpuwire by ``x``'s dispatch key; a small one was sent whole to the node, which made its result
+    on gpuwire whatever ``device`` said (the ``_refs.new_*`` tests: "Devices cpu and gpuwire:0 are
+    not equal"). The result is on the device asked for, with local CPU's values."""
+    for dtype in (torch.int64, torch.bool, torch.float32):
+        x_cpu = torch.ones(2, 3, dtype=dtype)
+        x = x_cpu.to(device)
+        for make in (lambda t: t.new_ones((1, 4), device="cpu"), lambda t: t.new_zeros((4,), device="cpu"),
+                     lambda t: t.new_full((2,), 1, device="cpu"), lambda t: torch.ones_like(t, device="cpu"),
+                     lambda t: torch.zeros_like(t, device="cpu"), lambda t: torch.full_like(t, 1, device="cpu")):
+            got, want = make(x), make(x_cpu)
+            assert got.device.type == "cpu"
+            assert got.dtype == want.dtype and torch.equal(got, want)
+        assert torch.zeros_like(x, device="meta").device.type == "meta"
+        # without ``device`` (or naming ours) the result stays on gpuwire
+        assert x.new_ones((2,)).device == x.device and torch.ones_like(x, device=device).device == x.device
+    torch.manual_seed(0)
+    want = torch.rand_like(torch.ones(5), device="cpu")
+    torch.manual_seed(0)
+    got = torch.rand_like(torch.ones(5, device=device), device="cpu")
+    assert got.device.type == "cpu" and torch.equal(got, want)

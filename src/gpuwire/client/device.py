@@ -353,8 +353,12 @@ def _wrapped_number_tensor(value, tensors) -> torch.Tensor:
         if category <= have:
             try:
                 return torch.tensor(value, dtype=dtype)
-            except (RuntimeError, OverflowError):  # does not fit (300 for uint8): promote as its kind
-                pass
+            except (RuntimeError, OverflowError):
+                # does not fit (300 for uint8, 1e10 for float16): still of the promoted dtype,
+                # converted unchecked as TensorIterator converts a wrapped number to the common
+                # dtype (300 -> 44, 1e10 -> inf). An int64 0-dim tensor would promote a 0-dim
+                # uint8 ``self`` to int64 (``torch.remainder(t, 300)``: wrong dtype and values).
+                return torch.tensor(value, dtype=_WRAPPED_DTYPE[category]).to(dtype)
         elif category == 3 and have == 2:
             return torch.tensor(value, dtype=_COMPLEX_OF.get(dtype, torch.complex64))
     if category == 2:
@@ -364,6 +368,8 @@ def _wrapped_number_tensor(value, tensors) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.int64 if category == 1 else torch.bool)
 
 
+# the dtype of a wrapped number (``c10::scalar_to_tensor``) by its kind
+_WRAPPED_DTYPE = {0: torch.bool, 1: torch.int64, 2: torch.float64, 3: torch.complex128}
 _COMPLEX_OF = {torch.float16: torch.complex32, torch.float32: torch.complex64, torch.float64: torch.complex128}
 
 
@@ -1393,7 +1399,10 @@ def _copy_from(op, args, kwargs):
         with rt.lock:
             known = None
             if rt.mirror:  # a copy writes into ``dst``'s storage and nowhere else
-                known = mirror.host_view(rt, src)
+                # (not from ``dst``'s own storage: ``x.copy_(x.t())`` overlaps, which the
+                # node's copy refuses, writing nothing: the mirror must not hold its result)
+                if storage_id_of(src) != storage_id_of(dst):
+                    known = mirror.host_view(rt, src)
                 rt.mirror.pop(storage_id_of(dst), None)
             rt.submit_fresh(rt.conn.encode_op(rt.next_seq(), "aten::copy_", (dst, src), {}, ()))
             if known is not None:

@@ -345,8 +345,13 @@ _SMALL_COMPOSITES = {
 
 def _whole_when_small(op, composite, result_bytes):
     def kernel(keyset, *args, **kwargs):
+        device = kwargs.get("device")
         try:
-            small = result_bytes(args, kwargs) < WHOLE_BELOW
+            # ``x.new_ones(n, device="cpu")``, ``torch.zeros_like(x, device="meta")`` reach us by
+            # ``x``'s key but make their result elsewhere: PyTorch's composite allocates it on
+            # the device asked for (sent whole, the result stayed on gpuwire)
+            small = ((device is None or torch.device(device).type == _device.DEVICE_TYPE)
+                     and result_bytes(args, kwargs) < WHOLE_BELOW)
         except Exception:  # noqa: BLE001 - odd arguments: PyTorch's own path raises its own error
             small = False
         if small:

@@ -95,6 +95,13 @@ def host_out_values(rt, functional, args, kwargs):
     """Before an out= op of ``functional_for`` is queued: its result computed on the host
     copies of its inputs, or None (an input not mirrored)."""
     name, op = functional
+    written = kwargs["out"].untyped_storage().data_ptr()
+    if any(isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == written for value in args):
+        # out= shares a storage with an input (``torch.logical_not(x.t(), out=x)``): the kernel
+        # refuses a partial overlap ("some elements of the input tensor and the written-to
+        # tensor refer to a single memory location"), so the node wrote nothing; mirrored, the
+        # refused result would be read back, with no error, long after the node's was raised
+        return None
     return host_values(rt, name, op, args, {k: v for k, v in kwargs.items() if k != "out"})
 
 
