@@ -191,3 +191,17 @@ def test_host_scalar_tensors_arrive_with_their_dtype_and_value(device):
         assert got.dtype == want.dtype and torch.equal(got, want), dtype
     conj = torch.tensor(1 + 2j, dtype=torch.complex64).conj()  # a lazy bit: resolved by the general path
     assert torch.equal((xd * conj).cpu(), x * conj)
+
+
+def test_an_empty_upload_sends_no_bytes_and_behaves_as_on_cpu(device):
+    """``torch.tensor([], device=...)`` (two a layer in every Hugging Face forward, for the KV
+    cache) is one Alloc and no Write; ops on it, ``cat`` above all, give CPU's results."""
+    rt = _rt()
+    gpuwire.synchronize()
+    commands = rt.seq
+    empty = torch.tensor([], dtype=torch.float32, device=device)
+    assert rt.seq - commands == 1 and empty.shape == (0,) and empty.dtype == torch.float32
+    keys = torch.arange(24, dtype=torch.float32).reshape(1, 2, 3, 4)
+    got = torch.cat([empty, keys.to(device)], dim=-2)
+    assert torch.equal(got.cpu(), torch.cat([torch.tensor([]), keys], dim=-2))
+    assert empty.cpu().shape == (0,) and torch.zeros(0, 5).to(device).cpu().shape == (0, 5)

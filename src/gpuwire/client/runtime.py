@@ -522,11 +522,13 @@ class Runtime:
         """Host → device bytes (``data`` must stay unchanged until this returns). ``unchanged``,
         when given, tells whether the program has left ``data`` alone since: then the recovery
         log keeps a reference to it instead of a copy, until the next sync point or checkpoint."""
+        total = data.nbytes
+        if total == 0:
+            return  # (``torch.tensor([], device=...)``: Hugging Face's KV caches make two a layer)
         with self.lock:
             self._check_alive()
             if self.mirror:
                 self.mirror.pop(storage_id, None)
-            total = data.nbytes
             if total <= COPY_PAYLOAD_BELOW:
                 self.enqueue(self.conn.send(Write(seq=self.next_seq(), storage_id=storage_id,
                                                   byte_offset=byte_offset, payload=bytes(data))))
