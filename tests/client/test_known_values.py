@@ -181,3 +181,19 @@ def test_a_write_refused_for_overlapping_its_source_is_not_known(device, write):
     assert torch.equal(x.cpu(), torch.tensor(values))  # what the node holds: unchanged, as on CPU
     torch.logical_not(x, out=x)  # exactly itself: valid, and still right
     assert x.tolist() == [[False, True], [False, False]]
+
+
+def test_a_failure_on_the_node_makes_the_client_forget_what_it_knew(device):
+    """An error raised at a sync point may belong to any queued op, including one whose result
+    the client mirrored: after it, reads go to the node again."""
+    mask = torch.tensor([1, 0, 1, 1]).to(device)
+    kept = mask.bool()
+    assert kept.tolist() == [True, False, True, True]
+    before = _round_trips()
+    assert kept.tolist() == [True, False, True, True] and _round_trips() == before  # known
+    torch.randn(3, device=device).index_select(0, torch.tensor([7]).to(device))  # fails on the node
+    with pytest.raises(gpuwire.RemoteError, match="index"):
+        gpuwire.synchronize()
+    before = _round_trips()
+    assert kept.tolist() == [True, False, True, True]
+    assert _round_trips() == before + 1, "a value from before the failure was answered by the client"

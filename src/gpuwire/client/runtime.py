@@ -397,9 +397,16 @@ class Runtime:
         finally:
             self._awaiting = None
         if type(reply) is Error:
-            raise remote_error(reply.op, reply.seq, reply.exc_type, reply.message, self.address)
+            raise self._failed(reply)
         self.recovery.after_request()
         return reply
+
+    def _failed(self, error: Error) -> Exception:
+        """The exception for a command the node failed. What ``mirror`` holds for queued ops is
+        forgotten: one of them may be the op that failed, so its result never took those values."""
+        if self.mirror:
+            self.mirror.clear()
+        return remote_error(error.op, error.seq, error.exc_type, error.message, self.address)
 
     # ------------------------------------------------------------ commands
 
@@ -575,7 +582,7 @@ class Runtime:
             self._check_alive()
             error = self._read_many(reads)
             if error is not None:
-                raise remote_error(error.op, error.seq, error.exc_type, error.message, self.address)
+                raise self._failed(error)
             self.recovery.after_request()
 
     def _read_many(self, reads) -> Error | None:
