@@ -96,6 +96,44 @@ CASES = {
         text_config=dict(**SMALL, max_position_embeddings=32),
         vision_config=dict(**NO_VOCAB, image_size=32, patch_size=8))),
         lambda: dict(input_ids=ids(), pixel_values=randn(2, 3, 32, 32, seed=3), return_loss=True)),
+    # session 10: architectures whose attention or routing works differently from the above
+    "t5": (lambda: T.T5ForConditionalGeneration(T.T5Config(d_model=32, d_kv=16, d_ff=64, num_layers=1, num_decoder_layers=1,
+                                                             num_heads=2, vocab_size=VOCAB, decoder_start_token_id=0)),
+           seq2seq),  # relative position buckets
+    "switch": (lambda: T.SwitchTransformersForConditionalGeneration(T.SwitchTransformersConfig(
+        d_model=32, d_kv=16, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=2, num_experts=4, vocab_size=VOCAB,
+        decoder_start_token_id=0, encoder_sparse_step=1, decoder_sparse_step=1)), seq2seq),  # top-1 expert routing
+    "bloom": (lambda: T.BloomForCausalLM(T.BloomConfig(hidden_size=32, n_head=2, n_layer=2, vocab_size=VOCAB)),
+              text_lm),  # ALiBi through baddbmm
+    "falcon": (lambda: T.FalconForCausalLM(T.FalconConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=2,
+                                                          vocab_size=VOCAB)), text_lm),
+    "gptj": (lambda: T.GPTJForCausalLM(T.GPTJConfig(n_embd=32, n_head=2, n_layer=2, vocab_size=VOCAB, rotary_dim=8,
+                                                    n_positions=64)), text_lm),  # interleaved rotary
+    "gemma2": (lambda: T.Gemma2ForCausalLM(T.Gemma2Config(**SMALL, num_key_value_heads=1, head_dim=16,
+                                                          max_position_embeddings=64, sliding_window=8)),
+               text_lm),  # logit soft-capping, sliding-window layers
+    "modernbert": (lambda: T.ModernBertForSequenceClassification(T.ModernBertConfig(
+        hidden_size=32, num_attention_heads=2, intermediate_size=64, num_hidden_layers=2, vocab_size=VOCAB, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2, global_attn_every_n_layers=2, local_attention=8)),
+        classify_text),
+    "xlnet": (lambda: T.XLNetLMHeadModel(T.XLNetConfig(d_model=32, n_head=2, d_inner=64, n_layer=2, vocab_size=VOCAB)),
+              text_lm),  # two-stream relative attention in einsum
+    "longformer": (lambda: T.LongformerForSequenceClassification(T.LongformerConfig(**SMALL, attention_window=4,
+                                                                                   max_position_embeddings=64)),
+                   classify_text),  # sliding chunks through as_strided views
+    "funnel": (lambda: T.FunnelForSequenceClassification(T.FunnelConfig(d_model=32, n_head=2, d_head=16, d_inner=64,
+                                                                        block_sizes=[1, 1], vocab_size=VOCAB,
+                                                                        num_labels=2)), classify_text),
+    "rwkv": (lambda: T.RwkvForCausalLM(T.RwkvConfig(hidden_size=32, num_hidden_layers=2, vocab_size=VOCAB,
+                                                    attention_hidden_size=32, intermediate_size=64, context_length=64)),
+             text_lm),  # a recurrence written in Python, token by token
+    "segformer": (lambda: T.SegformerForImageClassification(T.SegformerConfig(
+        num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16], num_attention_heads=[1, 2],
+        patch_sizes=[7, 3], strides=[4, 2], mlp_ratios=[2, 2], num_labels=2)), classify_image),
+    "mobilevit": (lambda: T.MobileViTForImageClassification(T.MobileViTConfig(
+        image_size=32, hidden_sizes=[16, 16, 16], neck_hidden_sizes=[8, 8, 16, 16, 16, 16, 32], num_labels=2)),
+        classify_image),  # unfold/fold of patches
+
 }
 
 
