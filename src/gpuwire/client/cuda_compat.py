@@ -59,8 +59,6 @@ def _map_device(value):
     return value
 
 
-_TO_METHODS = {torch.Tensor.to}
-_CUDA_METHODS = {torch.Tensor.cuda}
 _PYTHON_FUNCTION = types.FunctionType
 # higher-order ops (``flex_attention``'s eager path, ``torch.cond``, ``checkpoint``'s HOP) run
 # Python implementations the same way, e.g. ``torch.arange(..., device=scores.device)``
@@ -106,26 +104,39 @@ def _patch_saved_tensor_hooks() -> None:
 class CudaToGpuwire(TorchFunctionMode):
     """Rewrites CUDA device arguments to the gpuwire device; everything else passes through."""
 
+    # (runs for every torch call the program makes: lookups first, no allocations on the way)
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs:
             device = kwargs.get("device")
             if device is not None:
                 kwargs = dict(kwargs)
                 kwargs["device"] = _map_device(device)
+        special = _SPECIAL_METHODS.get(func)
+        if special is not None:
+            if special is _TO:
+                if len(args) > 1:
+                    args = (args[0], _map_device(args[1]), *args[2:])
+            else:  # .cuda()
+                return args[0].to(GPUWIRE, non_blocking=bool(kwargs and kwargs.get("non_blocking", False)))
         else:
-            kwargs = {}
-        if func in _TO_METHODS and len(args) > 1:
-            args = (args[0], _map_device(args[1]), *args[2:])
-        elif func in _CUDA_METHODS:
-            return args[0].to(GPUWIRE, non_blocking=kwargs.get("non_blocking", False))
-        elif (type(func) is _PYTHON_FUNCTION and func not in _USER_FACING) or isinstance(func, _HIGHER_ORDER_OP):
-            depth = getattr(_inside, "depth", 0)
-            _inside.depth = depth + 1
-            try:
-                return func(*args, **kwargs)
-            finally:
-                _inside.depth = depth
-        return func(*args, **kwargs)
+            kind = type(func)
+            runs_python = _RUNS_PYTHON.get(kind)
+            if runs_python is None:
+                runs_python = _RUNS_PYTHON[kind] = kind is _PYTHON_FUNCTION or issubclass(kind, _HIGHER_ORDER_OP)
+            if runs_python and func not in _USER_FACING:
+                depth = getattr(_inside, "depth", 0)
+                _inside.depth = depth + 1
+                try:
+                    return func(*args, **kwargs) if kwargs else func(*args)
+                finally:
+                    _inside.depth = depth
+        return func(*args, **kwargs) if kwargs else func(*args)
+
+
+_TO, _CUDA = "to", "cuda"
+_SPECIAL_METHODS = {torch.Tensor.to: _TO, torch.Tensor.cuda: _CUDA}
+# per type of ``func``: does calling it run Python code of PyTorch's (see ``_inside``)?
+_RUNS_PYTHON: dict = {}
 
 
 def _remote_info() -> dict:
