@@ -16,6 +16,7 @@ import uuid
 import warnings
 from itertools import chain
 from math import prod
+from operator import mul
 
 import msgpack
 import torch
@@ -264,20 +265,24 @@ class Session:
             raise SessionError(f"storage {storage_id:#x} is not allocated in this session "
                                "(freed, never allocated, or owned by another session)")
         dtype = self._dtype(dtype_code)
-        high = offset
-        numel = 1
-        for size, stride in zip(sizes, strides):
-            if stride < 0:
+        # (C builtins over the tuples: this runs for every view a client makes of a result)
+        if sizes:
+            if len(strides) != len(sizes):
+                raise SessionError(f"tensor view with {len(sizes)} sizes but {len(strides)} strides")
+            if min(strides) < 0:
                 raise SessionError("negative strides are not supported")
-            high += (size - 1) * stride
-            numel *= size
-        if numel * dtype.itemsize >= _INT64_LIMIT or any(size >= _INT64_LIMIT for size in sizes):
-            # a zero-stride (or empty) view passes the bounds check below however large its shape;
-            # past int64 torch cannot even build it
-            raise SessionError(f"tensor view of sizes {list(sizes)} has more elements than int64 can count")
-        # an empty view reads nothing, so its offset may lie past the end, as on CPU/CUDA
-        # (``narrow``/negative padding of an edge gives one)
-        if all(sizes) and (high + 1) * dtype.itemsize > storage.nbytes():
+            if max(sizes) >= _INT64_LIMIT or prod(sizes) * dtype.itemsize >= _INT64_LIMIT:
+                # a zero-stride (or empty) view passes the bounds check below however large its
+                # shape; past int64 torch cannot even build it
+                raise SessionError(f"tensor view of sizes {list(sizes)} has more elements than int64 can count")
+            # the last element, offset + sum((size - 1) * stride); an empty view reads nothing, so
+            # its offset may lie past the end, as on CPU/CUDA (``narrow``/negative padding of an edge)
+            high = offset + sum(map(mul, sizes, strides)) - sum(strides) if all(sizes) else -1
+        else:
+            high = offset
+        # checked here, never left to ``set_``: it would grow the storage to fit (memory outside
+        # the session's budget), not refuse
+        if (high + 1) * dtype.itemsize > storage.nbytes():
             raise SessionError(
                 f"tensor view (offset {offset}, sizes {list(sizes)}, strides {list(strides)}, {dtype}) reaches "
                 f"outside its storage of {storage.nbytes()} bytes")
@@ -285,8 +290,9 @@ class Session:
         if base is None:
             base = self._empty[dtype] = torch.empty(0, dtype=dtype, device=self.device)
         try:
-            t = base.new_empty(0).set_(storage, offset, sizes, strides)
-        except RuntimeError as exc:  # whatever else torch refuses in a view: this command fails, not the session
+            t = base.new().set_(storage, offset, sizes, strides)
+        except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
+            # whatever else torch refuses in a view: this command fails, not the session
             raise SessionError(f"invalid tensor view (offset {offset}, sizes {list(sizes)}, strides "
                                f"{list(strides)}): {exc}") from None
         if flags:
