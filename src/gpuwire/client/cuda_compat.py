@@ -104,20 +104,18 @@ def _patch_saved_tensor_hooks() -> None:
 class CudaToGpuwire(TorchFunctionMode):
     """Rewrites CUDA device arguments to the gpuwire device; everything else passes through."""
 
-    # (runs for every torch call the program makes: lookups first, no allocations on the way)
+    # (runs for every torch call the program makes: identity checks and one dict lookup)
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs:
             device = kwargs.get("device")
             if device is not None:
                 kwargs = dict(kwargs)
                 kwargs["device"] = _map_device(device)
-        special = _SPECIAL_METHODS.get(func)
-        if special is not None:
-            if special is _TO:
-                if len(args) > 1:
-                    args = (args[0], _map_device(args[1]), *args[2:])
-            else:  # .cuda()
-                return args[0].to(GPUWIRE, non_blocking=bool(kwargs and kwargs.get("non_blocking", False)))
+        if func is _TENSOR_TO:
+            if len(args) > 1:
+                args = (args[0], _map_device(args[1]), *args[2:])
+        elif func is _TENSOR_CUDA:
+            return args[0].to(GPUWIRE, non_blocking=bool(kwargs and kwargs.get("non_blocking", False)))
         else:
             kind = type(func)
             runs_python = _RUNS_PYTHON.get(kind)
@@ -133,8 +131,7 @@ class CudaToGpuwire(TorchFunctionMode):
         return func(*args, **kwargs) if kwargs else func(*args)
 
 
-_TO, _CUDA = "to", "cuda"
-_SPECIAL_METHODS = {torch.Tensor.to: _TO, torch.Tensor.cuda: _CUDA}
+_TENSOR_TO, _TENSOR_CUDA = torch.Tensor.to, torch.Tensor.cuda
 # per type of ``func``: does calling it run Python code of PyTorch's (see ``_inside``)?
 _RUNS_PYTHON: dict = {}
 

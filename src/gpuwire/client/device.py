@@ -1339,7 +1339,7 @@ def upload(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
         if src.dtype == dst.dtype and src.shape == dst.shape and _plain(dst):
             data, unchanged = _host_bytes(src)
             storage_id = storage_id_of(dst)
-            if dst.storage_offset() == 0 and data.nbytes == dst.untyped_storage().nbytes() and data.nbytes:
+            if dst.storage_offset() == 0 and data.nbytes == dst.untyped_storage().nbytes():
                 rt.mark_overwrite(storage_id)
             rt.write(storage_id, dst.storage_offset() * dst.element_size(), data, unchanged)
             if data.nbytes <= mirror.MAX_BYTES:

@@ -44,8 +44,8 @@ from ..protocol.events import (
     Welcome,
     Write,
 )
-from .errors import ConnectionLost, NodeUnreachable, RemoteError, remote_error
 from ..pool.sizes import format_size
+from .errors import ConnectionLost, NodeUnreachable, RemoteError, out_of_memory_prefix, remote_error
 from .recovery import Recovery
 from .wire import encode_default
 
@@ -464,7 +464,6 @@ class Runtime:
         if budget is not None and self.bytes_in_use + nbytes > budget:
             self._collect_garbage()
             if self.bytes_in_use + nbytes > budget:
-                from .errors import out_of_memory_prefix
                 what = ("this session's memory budget" if self.memory_budget is not None
                         else "the device's memory")
                 raise torch.OutOfMemoryError(
@@ -478,8 +477,8 @@ class Runtime:
     def mark_overwrite(self, storage_id: int) -> bool:
         """The storage just allocated will be written whole next: let the node skip zeroing it
         (rewrites its Alloc if that is still the last queued command)."""
-        if self._last_alloc is not None and self._last_alloc[0] == storage_id and self._queue \
-                and self._queue[-1] is self._last_alloc[2]:
+        if self._last_alloc is not None and self._last_alloc[0] == storage_id and self._last_alloc[1] \
+                and self._queue and self._queue[-1] is self._last_alloc[2]:  # (nothing to zero in 0 bytes)
             _, nbytes, _frame = self._last_alloc
             self._queue[-1] = self.conn.encode_alloc(self.next_seq(), storage_id, nbytes, overwrite=True)
             if self.recovery.logging:
