@@ -22,8 +22,8 @@ os.environ.setdefault("GPUWIRE_AUTOLOAD", "1")
 class NodeProcess:
     """A ``gpuwire serve`` child on an ephemeral loopback port."""
 
-    def __init__(self, *extra: str, env: dict | None = None, backend: str = "cpu"):
-        cmd = [sys.executable, "-m", "gpuwire", "serve", "--host", "127.0.0.1", "--port", "0",
+    def __init__(self, *extra: str, env: dict | None = None, backend: str = "cpu", launcher: tuple = ("-m", "gpuwire")):
+        cmd = [sys.executable, *launcher, "serve", "--host", "127.0.0.1", "--port", "0",
                "--backend", backend, "--log-level", "info", "--exit-with-stdin", *extra]
         # the node exits when this process dies, even if pytest itself is killed
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

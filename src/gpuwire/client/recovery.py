@@ -40,6 +40,7 @@ from .errors import ConnectionLost
 MODES = ("none", "reconnect", "checkpoint")
 LOG_LIMIT = 1 << 30  # a checkpoint is taken early once the replay log holds this many bytes
 CHUNK_BYTES = 16 << 20
+MAX_FRUITLESS_RECOVERIES = 3  # connections lost in a row with nothing applied in between
 
 
 def _say(message: str) -> None:
@@ -67,6 +68,11 @@ class Recovery:
         self._last_checkpoint = time.monotonic()
         self.lease_id = os.environ.get("GPUWIRE_LEASE_ID") or None
         self.pool_url = os.environ.get("GPUWIRE_POOL") or None
+        # recoveries since the last completed request, and the node's last applied command at
+        # the latest resume: a connection the node closes again at the same command every time
+        # (a fault on the node's side that this command triggers) must end in an error, not loop
+        self._fruitless = 0
+        self._resumed_at_seq = None
         self.stats = {"reconnects": 0, "rebuilds": 0, "migrations": 0, "checkpoints": 0,
                       "checkpoint_seconds": 0.0, "last_recovery_seconds": None, "last_migration_pause": None}
 
@@ -113,6 +119,7 @@ class Recovery:
         """A sync point: the node has applied every command sent so far."""
         if self._busy or self._nested:
             return
+        self._fruitless, self._resumed_at_seq = 0, None
         if self.mode == "reconnect":
             self._log.clear()
             self.log_bytes = 0
@@ -168,9 +175,15 @@ class Recovery:
             if isinstance(cause, ConnectionLost):
                 raise cause
             raise rt._lost(cause) from None
+        lost_address, at_op = rt.address, rt.ops_sent
+        if self._fruitless >= MAX_FRUITLESS_RECOVERIES:
+            raise rt._lost(cause, f"lost the connection to gpuwire node {lost_address} ({cause}) "
+                                  f"{self._fruitless + 1} times in a row at the same command, without any progress "
+                                  "in between: the node fails on what this program sends next rather than the "
+                                  "network (see the node's log). Gave up instead of retrying forever") from None
+        self._fruitless += 1
         self._busy = True
         started = time.monotonic()
-        lost_address, at_op = rt.address, rt.ops_sent
         try:
             rt._dead = None
             _close(rt._sock)
@@ -229,6 +242,9 @@ class Recovery:
             time.sleep(delay)
             delay = min(delay * 2, 1.0)
         last_seq = int(welcome.resume.get("last_seq", 0))
+        if self._resumed_at_seq is not None and last_seq > self._resumed_at_seq:
+            self._fruitless = 1  # the node applied commands since the last loss: this one is new
+        self._resumed_at_seq = last_seq
         awaiting = rt._awaiting or set()
         frames = [frame for seq, frame, read in self._log if seq > last_seq or (read and seq in awaiting)]
         self._send(frames)

@@ -539,7 +539,12 @@ class Runtime:
                 self.enqueue(self.conn.send(Write(seq=self.next_seq(), storage_id=storage_id,
                                                   byte_offset=byte_offset, payload=bytes(data))))
                 return
-            self._flush()
+            # the queued commands (the Alloc of this very storage, often) go out in the same
+            # sendmsg as the payload: one wake-up of the node, not two
+            queued = self._queue
+            if queued:
+                self._check_alive()
+                self._queue, self._queue_bytes = [], 0
             for start in range(0, total, CHUNK_BYTES):
                 chunk = data[start:start + CHUNK_BYTES]
                 parts = self.conn.send_parts(Write(seq=self.next_seq(), storage_id=storage_id,
@@ -549,6 +554,8 @@ class Runtime:
                         self.recovery.log_borrowed(self.seq, parts, unchanged)
                     else:
                         self.recovery.log(self.seq, b"".join(parts))  # the program may change ``data`` later
+                if queued:
+                    parts, queued = queued + parts, None
                 try:
                     self.bytes_sent += send_parts(self._sock, parts)
                 except OSError as exc:

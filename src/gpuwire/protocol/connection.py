@@ -280,6 +280,15 @@ class Connection:
             self.receive_data(memoryview(self._scratch)[:nbytes])
 
     @property
+    def payload_remaining(self) -> int:
+        """Bytes of a large payload still to come while nothing else is buffered: the transport
+        may receive them into ``get_buffer()`` back to back, with no event to look for between."""
+        pending = self._pending
+        if pending is None or self._pos != len(self._buffer):
+            return 0
+        return pending[3] - pending[2]
+
+    @property
     def mid_frame(self) -> bool:
         """Part of a frame has arrived and the rest has not."""
         return self._pending is not None or len(self._buffer) > self._pos
