@@ -205,3 +205,43 @@ def test_an_empty_upload_sends_no_bytes_and_behaves_as_on_cpu(device):
     got = torch.cat([empty, keys.to(device)], dim=-2)
     assert torch.equal(got.cpu(), torch.cat([torch.tensor([]), keys], dim=-2))
     assert empty.cpu().shape == (0,) and torch.zeros(0, 5).to(device).cpu().shape == (0, 5)
+
+
+def test_host_to_device_copies_take_the_direct_path_with_aten_layouts(device, monkeypatch):
+    """``x.to(device)`` of a contiguous host tensor (a batch, every weight of ``model.to``) is an
+    Alloc and a Write, made directly rather than through aten's composite; the result's dtype,
+    shape and strides are aten's (the ``meta`` device's answer: source strides under
+    ``preserve_format``, odd strides of size-1 dimensions included), its values the source's."""
+    taken = []
+    direct = dev._to_copy_from_host
+    monkeypatch.setattr(dev, "_to_copy_from_host", lambda src, kwargs: taken.append(direct(src, kwargs)) or taken[-1])
+    g = torch.Generator().manual_seed(0)
+    cases = [
+        torch.randn(3, 4, generator=g),
+        torch.randn(2, 1, 3, generator=g).as_strided((2, 1, 3), (3, 7, 1)),  # contiguous, odd stride on a size-1 dim
+        torch.randn(2, 3, 4, 5, generator=g).contiguous(memory_format=torch.channels_last),  # not contiguous: aten's
+        torch.randn(4, 3, generator=g).t(),  # not contiguous: aten's
+        torch.randn(4, generator=g).to(torch.complex64).conj(),  # the bit is resolved, as aten's copy_ does
+        torch.tensor(2.5),
+        torch.zeros(0, 3),
+        torch.arange(10, dtype=torch.int64),
+        torch.rand(6, generator=g) > 0.5,
+    ]
+    rt = _rt()
+    for x in cases:
+        for kwargs in ({}, {"memory_format": torch.contiguous_format}, {"memory_format": torch.preserve_format},
+                       {"non_blocking": True}):
+            gpuwire.synchronize()
+            commands, ops = rt.seq, rt.ops_sent
+            got = x.to(device, **kwargs)
+            want = x.to("meta", **{k: v for k, v in kwargs.items() if k != "non_blocking"})
+            if x.is_contiguous():
+                # (an Alloc, a Write, a Free of the previous result)
+                assert taken[-1] is not None and rt.ops_sent == ops and rt.seq - commands <= 3, (x.shape, kwargs)
+            assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride()), (x.shape, kwargs)
+            assert not got.is_conj() and torch.equal(got.cpu(), x.resolve_conj()), (x.shape, kwargs)
+    assert taken.count(None) >= 8  # the non-contiguous sources went to aten's kernel
+    # a weight uploaded this way trains as a local one: autograd sees the host leaf
+    w = torch.randn(3, generator=g, requires_grad=True)
+    (w.to(device) * 2).sum().backward()
+    assert torch.equal(w.grad, torch.full((3,), 2.0))

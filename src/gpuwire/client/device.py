@@ -1549,10 +1549,37 @@ def _to_copy(keyset, *args, **kwargs):
                 and src.numel() * src.element_size() >= DOWNLOADS.cache.min_bytes):
             return download(src)  # into a recycled warm block (``DOWNLOADS``), not fresh pages
     elif len(args) == 1 and (device is None or torch.device(device).type == DEVICE_TYPE):
-        copied = _to_copy_on_device(args[0], kwargs)
+        src = args[0]
+        copied = _to_copy_on_device(src, kwargs) if on_device(src) else _to_copy_from_host(src, kwargs)
         if copied is not None:
             return copied
     return _to_copy_composite.call_boxed(keyset, *args, **kwargs)
+
+
+_PRESERVE_FORMATS = (None, torch.preserve_format)
+
+
+def _to_copy_from_host(src, kwargs):
+    """``x.to(device)`` of a contiguous host tensor, its dtype kept (a batch every step, every
+    weight of ``model.to(device)``): the new device tensor and its upload, directly. Left to aten's
+    kernel it is ``empty_strided`` then ``copy_`` through two Python kernels. The result's
+    layout is aten's: the source's strides under ``preserve_format``, else contiguous. None: not
+    this case (aten's kernel)."""
+    if not src.is_cpu or kwargs.get("dtype") not in (None, src.dtype) or kwargs.get("pin_memory") \
+            or kwargs.get("layout") not in _TO_COPY_DEFAULTS or src.layout is not torch.strided \
+            or src.is_quantized or not src.is_contiguous():
+        return None
+    memory_format = kwargs.get("memory_format")
+    if memory_format in _PRESERVE_FORMATS:
+        strides = tuple(src.stride())
+    elif memory_format is torch.contiguous_format:
+        strides = _contiguous_strides(tuple(src.shape))
+    else:
+        return None
+    rt = runtime()
+    with rt.lock:
+        dst = new_empty(rt, tuple(src.shape), strides, src.dtype)
+    return upload(src, dst)
 
 
 # (dtype, sizes, strides, target dtype, memory format) -> output spec of ``_to_copy`` on the device
