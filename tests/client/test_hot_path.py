@@ -245,3 +245,27 @@ def test_host_to_device_copies_take_the_direct_path_with_aten_layouts(device, mo
     w = torch.randn(3, generator=g, requires_grad=True)
     (w.to(device) * 2).sum().backward()
     assert torch.equal(w.grad, torch.full((3,), 2.0))
+
+
+def test_device_to_host_copies_keep_aten_layouts(device):
+    """``y.cpu()`` of a small device tensor reads it directly when its layout is plain
+    contiguous, and through aten otherwise: either way dtype, shape, strides (odd strides of
+    size-1 dimensions included) and values are what the same copy gives on CPU."""
+    g = torch.Generator().manual_seed(1)
+    cases = [
+        torch.randn(3, 4, generator=g),
+        torch.randn(2, 1, 3, generator=g).as_strided((2, 1, 3), (3, 7, 1)),
+        torch.randn(2, 3, 4, 5, generator=g).contiguous(memory_format=torch.channels_last),
+        torch.randn(4, 3, generator=g).t(),
+        torch.tensor(7, dtype=torch.int64),
+        torch.zeros(0, 2),
+    ]
+    for x in cases:
+        y = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device)
+        y.copy_(x)
+        for kwargs in ({}, {"memory_format": torch.contiguous_format}, {"non_blocking": True}):
+            got = y.to("cpu", **kwargs)
+            want = x.to("meta", **{k: v for k, v in kwargs.items() if k != "non_blocking"})
+            assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride()), (x.stride(), kwargs)
+            assert torch.equal(got, x), kwargs
+        assert y.tolist() == x.tolist()

@@ -1546,8 +1546,12 @@ def _to_copy(keyset, *args, **kwargs):
         if (src is not None and kwargs.get("dtype") in (None, src.dtype) and kwargs.get("layout") in (None, torch.strided)
                 and kwargs.get("memory_format") in (None, torch.preserve_format, torch.contiguous_format)
                 and src.is_contiguous() and not src.is_conj() and not src.is_neg()
-                and src.numel() * src.element_size() >= DOWNLOADS.cache.min_bytes):
-            return download(src)  # into a recycled warm block (``DOWNLOADS``), not fresh pages
+                and (src.numel() * src.element_size() >= DOWNLOADS.cache.min_bytes
+                     or src.stride() == _contiguous_strides(tuple(src.shape)))):
+            # large: into a recycled warm block (``DOWNLOADS``), not fresh pages; small (``.cpu()``,
+            # ``.tolist()`` of metrics): directly, not through aten's composite (an empty CPU
+            # tensor, then ``copy_`` through a Python kernel), when its layout is aten's anyway
+            return download(src)
     elif len(args) == 1 and (device is None or torch.device(device).type == DEVICE_TYPE):
         src = args[0]
         copied = _to_copy_on_device(src, kwargs) if on_device(src) else _to_copy_from_host(src, kwargs)
