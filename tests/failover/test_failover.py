@@ -124,7 +124,7 @@ def assert_same_weights(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("model", ["cnn", "gpt2"])
 def test_sigkill_the_node_mid_training_and_the_run_finishes_identically(cluster, reference, tmp_path, model):
     _ensure_all_alive(cluster)
-    steps = 200
+    steps = 120
     kill_at = random.Random(os.environ.get("GPUWIRE_TEST_SEED") or time.time_ns()).randrange(5, steps - 5)
     print(f"killing the node at step {kill_at}")
     expected = reference(model, steps)

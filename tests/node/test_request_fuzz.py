@@ -395,7 +395,7 @@ def attackers(fuzz_node, good):
         pool.current.close()
 
 
-@settings(max_examples=examples(1800), **FUZZ)
+@settings(max_examples=examples(1200), **FUZZ)
 @given(batch=hostile_batches())
 def test_hostile_well_formed_frames(fuzz_node, good, attackers, batch):
     attacker = attackers.get()
@@ -513,5 +513,5 @@ def test_node_is_whole_after_the_fuzzing(fuzz_node, good, attackers):
     assert [s["id"] for s in info["sessions"]] == [good.rt.session_id], info["sessions"]
     assert info["bytes_in_use"] == good.rt.query("memory")["bytes_in_use"]
     good.check()
-    if SCALE >= 1 and STATS["cases"] >= examples(1800) + examples(1200):  # both fuzz tests ran in full
-        assert STATS["frames"] >= 10_000, STATS
+    if SCALE >= 1 and STATS["cases"] >= examples(1200) + examples(1200):  # both fuzz tests ran in full
+        assert STATS["frames"] >= 8_000, STATS  # (~9,000 in 2,400 cases)
