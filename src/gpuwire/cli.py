@@ -245,6 +245,34 @@ def certs_init(
                f"GPUWIRE_TLS_CERT={paths['client']} GPUWIRE_TLS_KEY={paths['client_key']}")
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                "allow_interspersed_args": False, "help_option_names": []})
+def bench(ctx: typer.Context):
+    """Run the benchmarks beside their local baselines (python -m bench; --help for its options).
+
+    Examples:
+
+      gpuwire bench --quick
+
+      gpuwire bench --only per_op,step_ratio
+
+      gpuwire bench --only gpu          (on a machine with an NVIDIA GPU)
+    """
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[2]
+    if not (repo / "bench" / "__main__.py").is_file():
+        typer.echo("gpuwire bench: the benchmarks ship with the source tree (bench/ beside src/), not with an "
+                   "installed wheel: clone the repository, `pip install -e .` it and run `gpuwire bench` again",
+                   err=True)
+        raise typer.Exit(2)
+    args = list(ctx.args)
+    if not any(a == "--out" or a.startswith("--out=") for a in args):
+        args += ["--out", str(repo / "bench" / "results")]  # beside the benchmarks, wherever this runs from
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "bench", *args], env)
+
+
 @app.command()
 def version():
     """Print the gpuwire, protocol and torch versions."""

@@ -72,3 +72,18 @@ def test_gpu_benchmark_runs_its_code_path_on_the_cpu_backend():
     assert sum("train step" in label for label in labels) == 2 and any("bf16 autocast" in label for label in labels)
     for figure in result["figures"]:
         assert figure["value"] > 0 and figure["baseline"] > 0, figure
+
+
+def test_gpuwire_bench_runs_the_suite_from_any_directory(tmp_path):
+    """``gpuwire bench`` is ``python -m bench`` from wherever it is typed: its options and
+    errors are the suite's, and the results land where ``--out`` says."""
+    gpuwire = [sys.executable, "-m", "gpuwire", "bench"]
+    helped = subprocess.run([*gpuwire, "--help"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and "--only" in helped.stdout and "--quick" in helped.stdout, helped.stderr
+    wrong = subprocess.run([*gpuwire, "--only", "nope"], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                           timeout=60)
+    assert wrong.returncode == 2 and "unknown benchmark(s) nope" in wrong.stderr
+    run = subprocess.run([*gpuwire, "--quick", "--only", "per_op", "--out", str(tmp_path / "out")], cwd=tmp_path,
+                         env=_env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert json.loads((tmp_path / "out" / "per_op.json").read_text())["status"] == "ok"
