@@ -118,3 +118,28 @@ def test_direct_call_is_the_overloads_own():
     assert torch.equal(call(a, b, alpha=2), add(a, b, alpha=2))
     not_an_overload = OpTable().resolve("gpuwire::sdpa")
     assert _direct(not_an_overload) is not_an_overload
+
+
+def test_meta_warm_up_switches_threads_often_only_while_it_runs():
+    """The node's background meta warm-up asks the interpreter to switch threads every 0.2 ms
+    while it imports (so a session's command does not wait 5 ms for the GIL), and leaves the
+    process's own switch interval as it found it, also when the warm-up fails."""
+    import sys
+
+    from gpuwire.node import session as node_session
+
+    before = sys.getswitchinterval()
+    seen = []
+    real_empty = node_session.torch.empty
+
+    def spying_empty(*args, **kwargs):
+        seen.append(sys.getswitchinterval())
+        raise RuntimeError("no meta today")
+
+    node_session.torch.empty = spying_empty
+    try:
+        node_session._warm_up_meta()
+    finally:
+        node_session.torch.empty = real_empty
+    assert len(seen) == 1 and abs(seen[0] - node_session.WARM_UP_SWITCH_INTERVAL) < 1e-6  # (microsecond units)
+    assert sys.getswitchinterval() == before

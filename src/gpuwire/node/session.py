@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -1319,12 +1320,20 @@ def _warm_up_meta() -> None:
     in the background when a node loads this module, so that second is not charged to the first
     session that sends an op (its fair-scheduler turn would then wait for every other session
     to use as much device time)."""
+    # the imports run Python code holding the GIL, which a session thread woken by a command
+    # waited for up to a whole switch interval (5 ms) at a time: switch often while it lasts
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(WARM_UP_SWITCH_INTERVAL)
     try:
         meta = torch.empty(1, device=_META)
         torch.ops.aten.add.Tensor(meta, meta)
     except Exception:  # noqa: BLE001 - only a warm-up
         pass
+    finally:
+        sys.setswitchinterval(switch_interval)
 
+
+WARM_UP_SWITCH_INTERVAL = 0.0002  # seconds
 
 
 def start_meta_warm_up() -> None:
