@@ -1543,9 +1543,7 @@ def _to_copy(keyset, *args, **kwargs):
         if kwargs.get("non_blocking") or kwargs.get("pin_memory"):
             kwargs = dict(kwargs, non_blocking=False, pin_memory=None)
         src = args[0] if len(args) == 1 else None
-        if (src is not None and kwargs.get("dtype") in (None, src.dtype) and kwargs.get("layout") in (None, torch.strided)
-                and kwargs.get("memory_format") in (None, torch.preserve_format, torch.contiguous_format)
-                and src.is_contiguous() and not src.is_conj() and not src.is_neg()
+        if (src is not None and _byte_copy(src, kwargs) and not src.is_conj() and not src.is_neg()
                 and (src.numel() * src.element_size() >= DOWNLOADS.cache.min_bytes
                      or src.stride() == _contiguous_strides(tuple(src.shape)))):
             # large: into a recycled warm block (``DOWNLOADS``), not fresh pages; small (``.cpu()``,
@@ -1560,7 +1558,16 @@ def _to_copy(keyset, *args, **kwargs):
     return _to_copy_composite.call_boxed(keyset, *args, **kwargs)
 
 
-_PRESERVE_FORMATS = (None, torch.preserve_format)
+_BYTE_COPY_FORMATS = (None, torch.preserve_format, torch.contiguous_format)
+
+
+def _byte_copy(src, kwargs) -> bool:
+    """Whether ``_to_copy(src, **kwargs)`` to another device is a copy of ``src``'s bytes as they
+    lie: dtype and strided layout kept, no pinned memory, a contiguous source whose contiguous
+    layout the memory format keeps."""
+    return (kwargs.get("dtype") in (None, src.dtype) and kwargs.get("layout") in _TO_COPY_DEFAULTS
+            and not kwargs.get("pin_memory") and kwargs.get("memory_format") in _BYTE_COPY_FORMATS
+            and src.is_contiguous())
 
 
 def _to_copy_from_host(src, kwargs):
@@ -1569,17 +1576,12 @@ def _to_copy_from_host(src, kwargs):
     kernel it is ``empty_strided`` then ``copy_`` through two Python kernels. The result's
     layout is aten's: the source's strides under ``preserve_format``, else contiguous. None: not
     this case (aten's kernel)."""
-    if not src.is_cpu or kwargs.get("dtype") not in (None, src.dtype) or kwargs.get("pin_memory") \
-            or kwargs.get("layout") not in _TO_COPY_DEFAULTS or src.layout is not torch.strided \
-            or src.is_quantized or not src.is_contiguous():
+    if not src.is_cpu or src.layout is not torch.strided or src.is_quantized or not _byte_copy(src, kwargs):
         return None
-    memory_format = kwargs.get("memory_format")
-    if memory_format in _PRESERVE_FORMATS:
-        strides = tuple(src.stride())
-    elif memory_format is torch.contiguous_format:
+    if kwargs.get("memory_format") is torch.contiguous_format:
         strides = _contiguous_strides(tuple(src.shape))
     else:
-        return None
+        strides = tuple(src.stride())
     rt = runtime()
     with rt.lock:
         dst = new_empty(rt, tuple(src.shape), strides, src.dtype)
@@ -1598,9 +1600,7 @@ def _to_copy_on_device(src, kwargs):
     through two Python kernels (32 us a call against 13 us for ``x + 1``). The layout is the
     meta kernel's answer for the source's layout, cached (a lazy conj/neg bit of the source
     travels in its descriptor and is resolved by the node's copy, as by aten's). None: not this
-    case (aten's kernel)."""
-    if not on_device(src):
-        return None
+    case (aten's kernel); the caller has checked that ``src`` is on the device."""
     if kwargs.get("layout") not in _TO_COPY_DEFAULTS or kwargs.get("pin_memory"):
         return None
     dtype = kwargs.get("dtype") or src.dtype

@@ -541,10 +541,7 @@ class Runtime:
                 return
             # the queued commands (the Alloc of this very storage, often) go out in the same
             # sendmsg as the payload: one wake-up of the node, not two
-            queued = self._queue
-            if queued:
-                self._check_alive()
-                self._queue, self._queue_bytes = [], 0
+            queued, self._queue, self._queue_bytes = self._queue, [], 0
             for start in range(0, total, CHUNK_BYTES):
                 chunk = data[start:start + CHUNK_BYTES]
                 parts = self.conn.send_parts(Write(seq=self.next_seq(), storage_id=storage_id,
@@ -555,7 +552,7 @@ class Runtime:
                     else:
                         self.recovery.log(self.seq, b"".join(parts))  # the program may change ``data`` later
                 if queued:
-                    parts, queued = queued + parts, None
+                    parts, queued = queued + parts, []
                 try:
                     self.bytes_sent += send_parts(self._sock, parts)
                 except OSError as exc:

@@ -459,19 +459,20 @@ class NodeServer:
                 return "invalid or missing token for this node (set GPUWIRE_TOKEN or pass --token)"
         return None
 
-    def _receive_payload(self, sock: socket.socket, conn: Connection, last_event: float) -> int:
+    def _receive_payload(self, sock: socket.socket, conn: Connection, last_event: float) -> None:
         """The rest of a large payload, received straight into its destination back to back:
         a pass through the session loop (scheduler, event decoding) between two chunks let the
-        node fall ~300 us behind a 1 MiB upload. A frame still has ``frame_timeout`` to finish."""
+        node fall ~300 us behind a 1 MiB upload. A frame still has ``frame_timeout`` to finish;
+        an end of stream is left to the session loop, which reports the payload cut short."""
         frame_timeout = self.frame_timeout
         sock.settimeout(frame_timeout)
-        received = 1
-        while received and conn.payload_remaining:
+        while conn.payload_remaining:
             if frame_timeout is not None and time.monotonic() - last_event > frame_timeout:
                 raise socket.timeout(f"no complete command for {frame_timeout:.0f} s")
             received = sock.recv_into(conn.get_buffer(RECV_BYTES))
             conn.buffer_updated(received)
-        return received
+            if not received:
+                return
 
     def _session_loop(self, sock: socket.socket, conn: Connection, session: Session) -> bool:
         """Serve one connection of a session; True when the client said Goodbye."""
@@ -498,7 +499,7 @@ class NodeServer:
                 received = sock.recv_into(conn.get_buffer(RECV_BYTES))
                 conn.buffer_updated(received)
                 if received and conn.payload_remaining:
-                    received = self._receive_payload(sock, conn, last_event)
+                    self._receive_payload(sock, conn, last_event)
                     timeout_now = frame_timeout
                 quiet = time.monotonic() - last_event
                 if (idle_timeout is not None and quiet > idle_timeout) or (conn.mid_frame and quiet > frame_timeout):

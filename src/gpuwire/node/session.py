@@ -1315,6 +1315,9 @@ _VALUE_SIZED_OPS = {
 }
 
 
+WARM_UP_SWITCH_INTERVAL = 0.0002  # seconds
+
+
 def _warm_up_meta() -> None:
     """The first op on meta tensors in a process imports torch._dynamo (about a second). Done
     in the background when a node loads this module, so that second is not charged to the first
@@ -1331,9 +1334,6 @@ def _warm_up_meta() -> None:
         pass
     finally:
         sys.setswitchinterval(switch_interval)
-
-
-WARM_UP_SWITCH_INTERVAL = 0.0002  # seconds
 
 
 def start_meta_warm_up() -> None:
