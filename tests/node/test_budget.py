@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import gpuwire
+from gpuwire.client import wire
 from gpuwire.client.runtime import Runtime
 
 
@@ -77,7 +78,8 @@ def _peak_rss(pid: int) -> int:
 
 
 def _op(rt: Runtime, name: str, args, kwargs=None, outs=()):
-    rt.enqueue(rt.conn.encode_op(rt.next_seq(), name, args, kwargs or {}, [list(o) for o in outs]))
+    with wire.host_tensors_by_value():  # a hostile client sends host tensors wherever it likes
+        rt.enqueue(rt.conn.encode_op(rt.next_seq(), name, args, kwargs or {}, [list(o) for o in outs]))
     rt.synchronize()
 
 

@@ -683,7 +683,7 @@ def queue_op(rt: Runtime, name: str, args, kwargs, outs=()) -> None:
     (``client/mirror.py``; schemas are not trusted for this)."""
     if rt.mirror:
         mirror.forget_args(rt, args, kwargs)
-    rt.submit_fresh(rt.conn.encode_op(rt.next_seq(), name, args, kwargs, outs))
+    rt.submit_fresh(rt.encode_op(name, args, kwargs, outs))
 
 
 # A host tensor of these dtypes may be a mask (``x[mask]``, ``index_put_`` with a boolean
@@ -897,7 +897,7 @@ class DirectPlan:
             with rt.lock:
                 storage_id = rt.reserve(nbytes)
                 t = wrap_storage(rt, storage_id, nbytes, sizes, strides, dtype)
-                rt.submit_fresh(rt.conn.encode_op(rt.next_seq(), self.name, args, kwargs,
+                rt.submit_fresh(rt.encode_op(self.name, args, kwargs,
                                                   ((storage_id, nbytes, sizes, strides, code),)))
                 if self.known_values:  # (structured: writes nothing but ``t``)
                     mirror.after_op(rt, self.name, args, t,
@@ -1348,7 +1348,7 @@ def upload(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
         staging = new_empty(rt, tuple(src.shape), _contiguous_strides(tuple(src.shape)), src.dtype)
         data, unchanged = _host_bytes(src)
         rt.write(storage_id_of(staging), 0, data, unchanged)
-        rt.submit(rt.conn.encode_op(rt.next_seq(), "aten::copy_", (dst, staging), {}, ()))
+        rt.submit(rt.encode_op("aten::copy_", (dst, staging), {}, ()))
     return dst
 
 
@@ -1404,7 +1404,7 @@ def _copy_from(op, args, kwargs):
                 if storage_id_of(src) != storage_id_of(dst):
                     known = mirror.host_view(rt, src)
                 rt.mirror.pop(storage_id_of(dst), None)
-            rt.submit_fresh(rt.conn.encode_op(rt.next_seq(), "aten::copy_", (dst, src), {}, ()))
+            rt.submit_fresh(rt.encode_op("aten::copy_", (dst, src), {}, ()))
             if known is not None:
                 mirror.remember(rt, dst, known)
         return dst
@@ -1447,7 +1447,7 @@ def _resize(op, args, kwargs):
             if old_nbytes:
                 old = _create_empty((old_nbytes,), torch.uint8)
                 _set_storage(old, storage, 0, (old_nbytes,), (1,))
-                rt.submit(rt.conn.encode_op(rt.next_seq(), "aten::copy_", (grown[:old_nbytes], old), {}, ()))
+                rt.submit(rt.encode_op("aten::copy_", (grown[:old_nbytes], old), {}, ()))
             storage = grown.untyped_storage()
     _set_storage(t, storage, offset, sizes, strides)
     return t
@@ -1626,7 +1626,7 @@ def _to_copy_on_device(src, kwargs):
         known = mirror.host_view(rt, src) if rt.mirror else None
         storage_id = rt.reserve(nbytes)
         copy = wrap_storage(rt, storage_id, nbytes, sizes, strides, dtype)
-        rt.submit_fresh(rt.conn.encode_op(rt.next_seq(), "aten::_to_copy", (src,), node_kwargs,
+        rt.submit_fresh(rt.encode_op("aten::_to_copy", (src,), node_kwargs,
                                           ((storage_id, nbytes, sizes, strides, code),)))
         if known is not None:
             mirror.remember(rt, copy, known)

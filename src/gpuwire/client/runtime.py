@@ -47,7 +47,7 @@ from ..protocol.events import (
 from ..pool.sizes import format_size
 from .errors import ConnectionLost, NodeUnreachable, RemoteError, out_of_memory_prefix, remote_error
 from .recovery import Recovery
-from .wire import encode_default
+from .wire import HostTensorArgument, encode_default, host_tensors_by_value, refuse_host_tensors
 
 FLUSH_OPS = 64
 FLUSH_BYTES = 1 << 20
@@ -435,8 +435,26 @@ class Runtime:
         with self.lock:
             if self.mirror:  # (an op run with a reply may write into its arguments)
                 self.mirror.clear()
-            reply = self.request(CallSync(seq=self.next_seq(), name=name, args=list(args), kwargs=kwargs))
+            seq = self.next_seq()
+            try:
+                reply = self.request(CallSync(seq=seq, name=name, args=list(args), kwargs=kwargs))
+            except HostTensorArgument:
+                refuse_host_tensors(name, args, kwargs)
+                with host_tensors_by_value():
+                    reply = self.request(CallSync(seq=seq, name=name, args=list(args), kwargs=kwargs))
             return reply.value
+
+    def encode_op(self, name: str, args, kwargs, outs) -> bytes:
+        """The frame of op ``name`` under the next sequence number. A host tensor with dimensions
+        among the arguments raises as CUDA does, unless CUDA's kernel takes one (then it is
+        sent by value, ``wire.refuse_host_tensors``)."""
+        seq = self.next_seq()
+        try:
+            return self.conn.encode_op(seq, name, args, kwargs, outs)
+        except HostTensorArgument:
+            refuse_host_tensors(name, args, kwargs)
+            with host_tensors_by_value():
+                return self.conn.encode_op(seq, name, args, kwargs, outs)
 
     def query(self, what: str):
         with self.lock:

@@ -150,7 +150,7 @@ class RemoteGenerator(torch._C.Generator):
         from . import device as _device
         rt = _device.runtime()
         with rt.lock:
-            rt.submit(rt.conn.encode_op(rt.next_seq(), name, (self, *args), {}, ()))
+            rt.submit(rt.encode_op(name, (self, *args), {}, ()))
 
     def manual_seed(self, seed: int) -> "RemoteGenerator":
         seed = int(seed) & ((1 << 64) - 1)

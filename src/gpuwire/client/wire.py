@@ -7,7 +7,9 @@ floats and lists are packed in C with no Python walk.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import msgpack
 import torch
@@ -52,6 +54,25 @@ DEVICE_TYPE = "gpuwire"
 
 class UnsupportedArgument(TypeError):
     pass
+
+
+class HostTensorArgument(UnsupportedArgument):
+    """A host tensor with dimensions among an op's arguments. CUDA refuses one in all but a few
+    ops (indices, lengths, copies); the caller decides (``Runtime.encode_op``) and, where CUDA
+    takes it, encodes again under ``host_tensors_by_value``."""
+
+
+_by_value = threading.local()
+
+
+@contextlib.contextmanager
+def host_tensors_by_value():
+    """Encode host tensors with dimensions by value in this thread (``inline_ext``)."""
+    _by_value.on = True
+    try:
+        yield
+    finally:
+        _by_value.on = False
 
 
 def tensor_ext(t: torch.Tensor) -> msgpack.ExtType:
@@ -101,6 +122,8 @@ def encode_default(obj):
     """msgpack ``default`` hook for the client."""
     if isinstance(obj, torch.Tensor):
         if obj.is_cpu:
+            if obj.dim() and not getattr(_by_value, "on", False):
+                raise HostTensorArgument(f"a host tensor of shape {list(obj.shape)} among the arguments")
             return inline_ext(obj)
         raw = _dispatch_keys(obj).raw_repr()
         if raw & _RAW_PRIVATE_USE1 == _RAW_PRIVATE_USE1:  # tensor_ext, inlined: the hottest path of encoding
@@ -134,3 +157,51 @@ def encode_default(obj):
     if isinstance(obj, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         raise UnsupportedArgument("symbolic sizes cannot be sent to a gpuwire node")
     raise UnsupportedArgument(f"cannot send a value of type {type(obj).__name__} to a gpuwire node")
+
+
+# aten ops whose CUDA kernels take host tensors with dimensions: indices (converted on the
+# device), copies between devices, packed-sequence bookkeeping and CTC lengths (read on the host)
+HOST_TENSOR_OPS = frozenset({
+    "aten::index.Tensor", "aten::_unsafe_index.Tensor", "aten::index_put_", "aten::index_put",
+    "aten::_index_put_impl_", "aten::_unsafe_index_put", "aten::copy_", "aten::_copy_from",
+    "aten::_copy_from_and_resize", "aten::_to_copy", "aten::to.device", "aten::to.dtype_layout", "aten::to.other",
+    "aten::_pack_padded_sequence", "aten::_pack_padded_sequence_backward", "aten::_pad_packed_sequence",
+    "aten::_ctc_loss.Tensor", "aten::_ctc_loss_backward.Tensor", "aten::ctc_loss.Tensor",
+    "aten::_nested_from_padded",
+    # only the other tensor's metadata is read
+    "aten::is_same_size", "aten::is_set_to", "aten::expand_as", "aten::view_as", "aten::reshape_as",
+    # the out= forms the client runs structured ops as
+    "aten::index.Tensor_out", "aten::index_put.out", "aten::_index_put_impl.out",
+    "aten::copy.out", "aten::_copy_from.out", "aten::_copy_from_and_resize.out",
+    "aten::_to_copy.out", "aten::_pack_padded_sequence.out", "aten::_ctc_loss.Tensor_out",
+})
+# arguments CUDA reads on the host whatever the op (``lstm.data``'s batch_sizes, CTC lengths)
+HOST_TENSOR_ARGUMENTS = frozenset({"batch_sizes", "lengths", "input_lengths", "target_lengths"})
+
+
+def refuse_host_tensors(name: str, args, kwargs) -> None:
+    """Raise as CUDA does when op ``name`` is given a host tensor with dimensions where CUDA's
+    kernel refuses one; return when CUDA takes it (``HOST_TENSOR_OPS``/``_ARGUMENTS``, gpuwire's
+    own ops). Sending it by value instead would work for small tensors only (up to
+    ``MAX_INLINE_BYTES``), so a program would pass its tests and fail on real data, or pass here
+    and fail on a real GPU; and it would pay the upload on every call."""
+    if not name.startswith("aten::") or name in HOST_TENSOR_OPS:
+        return
+    base, _, overload = name[len("aten::"):].partition(".")
+    try:
+        schema = getattr(getattr(torch.ops.aten, base), overload or "default")._schema
+    except AttributeError:
+        return  # (not an op of this torch: the node decides)
+    for index, argument in enumerate(schema.arguments):
+        value = kwargs.get(argument.name) if argument.kwarg_only or index >= len(args) else args[index]
+        values = value if isinstance(value, (list, tuple)) else (value,)
+        if argument.name in HOST_TENSOR_ARGUMENTS:
+            continue
+        for t in values:
+            if isinstance(t, torch.Tensor) and t.is_cpu and t.dim():
+                from . import cuda_compat
+                device = "cuda:0" if cuda_compat.enabled() else f"{DEVICE_TYPE}:0"
+                raise RuntimeError(
+                    f"Expected all tensors to be on the same device, but got {argument.name} is on cpu, different "
+                    f"from other tensors on {device} (when checking argument in method {name}); move it to the "
+                    f"device first (.to('{device.split(':')[0]}'))")
