@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-SMOKE = ("per_op", "round_trips", "step_ratio", "bulk", "latency")  # the rest have tests of their own
+SMOKE = ("per_op", "round_trips", "step_ratio", "generate", "bulk", "latency")  # the rest have tests of their own
 
 
 def _env() -> dict:
