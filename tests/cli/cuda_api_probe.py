@@ -363,6 +363,22 @@ def accelerator():
 check("torch.accelerator", accelerator)
 
 
+def device_classes():
+    # PyTorch's own code tests isinstance(x, torch.cuda.device): memory_cached, StreamContext
+    with torch.cuda.device(0), torch.cuda.device("cuda:0"), torch.cuda.device_of(torch.ones(1, device="cuda")):
+        with torch.cuda.StreamContext(torch.cuda.current_stream()):
+            pass
+    return [isinstance(torch.cuda.device(0), torch.cuda.device), torch.cuda.memory_cached() >= 0,
+            torch.cuda.memory.mem_get_info()[1] > 0]
+
+
+check("torch.cuda.device / device_of / StreamContext", device_classes)
+# asked by SyncBatchNorm's forward before a host read, and by transformers
+check("is_current_stream_capturing", lambda: torch.cuda.is_current_stream_capturing() is False)
+check("can_device_access_peer / get_allocator_backend",
+      lambda: [torch.cuda.can_device_access_peer(0, 0) is False, torch.cuda.get_allocator_backend() == "native"])
+
+
 def nvtx():
     torch.cuda.nvtx.range_push("step")
     with torch.cuda.nvtx.range("inner"):

@@ -29,7 +29,8 @@ WORKS = ["is_available", "device_count", "get_device_name", "get_device_properti
          "sync debug mode and memory history", "RNNs under autocast", "out of memory as libraries see it",
          "GradScaler('cuda')", "torch.save/torch.load(map_location='cuda')", "torch.compile", "nn.DataParallel",
          "torch.accelerator", "torch.cuda.nvtx", "Generator(device='cuda')", "torch.cuda.FloatTensor and friends",
-         "set_per_process_memory_fraction"]
+         "set_per_process_memory_fraction", "torch.cuda.device / device_of / StreamContext",
+         "is_current_stream_capturing", "can_device_access_peer / get_allocator_backend"]
 
 
 @pytest.mark.parametrize("api", WORKS)

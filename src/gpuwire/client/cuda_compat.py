@@ -256,6 +256,33 @@ class _CUDAGraph:
                      "run the model eagerly; gpuwire already batches ops into few messages")()
 
 
+class _CudaDevice:
+    """``torch.cuda.device(i)``: this session has one device, so entering it changes nothing
+    (another index is refused). A class, as in PyTorch: its own code tests
+    ``isinstance(x, torch.cuda.device)`` (``torch.cuda._utils._get_device_index``, hence
+    ``torch.cuda.memory_cached()``, ``torch.cuda.StreamContext``), which raised "isinstance() arg
+    2 must be a type" while this was a function."""
+
+    def __init__(self, device):
+        from . import torch_module as tm
+        tm.set_device(device)
+        self.idx = -1 if device == -1 else 0
+        self.prev_idx = self.idx
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+class _CudaDeviceOf(_CudaDevice):
+    """``torch.cuda.device_of(tensor)``: the device of a CUDA tensor, a no-op for others."""
+
+    def __init__(self, obj):
+        super().__init__(0 if isinstance(obj, torch.Tensor) and obj.is_cuda else -1)
+
+
 def _cuda_functions() -> dict:
     from . import torch_module as tm
 
@@ -279,8 +306,13 @@ def _cuda_functions() -> dict:
         "device_count": device_count,
         "current_device": lambda: 0,
         "set_device": tm.set_device,
-        "device": tm.device,
-        "device_of": lambda obj: tm.device(0),
+        "device": _CudaDevice,
+        "device_of": _CudaDeviceOf,
+        "can_device_access_peer": lambda device, peer_device: False,  # (one device: no peer)
+        "get_allocator_backend": lambda: "native",
+        # nothing is captured into a CUDA graph (``torch.cuda.graph`` is refused): SyncBatchNorm's
+        # forward and transformers ask before every host read
+        "is_current_stream_capturing": lambda: False,
         "get_device_name": lambda device=None: _remote_info().get("name", "gpuwire device"),
         "get_device_properties": _properties,
         "get_device_capability": lambda device=None: _capability_of(_remote_info()),
@@ -722,8 +754,13 @@ def enable() -> None:
         return
     _device.register()
     GPUWIRE = torch.device(DEVICE_TYPE, 0)
+    memory = torch.cuda.memory
     for name, fn in _cuda_functions().items():
         setattr(torch.cuda, name, fn)
+        # ``torch.cuda.memory.mem_get_info`` & co. are the same functions under their module's
+        # name (and what that module's other functions call)
+        if getattr(getattr(memory, name, None), "__module__", None) == memory.__name__:
+            setattr(memory, name, fn)
     # what ``is_initialized`` (above) says; read directly by activation checkpointing, which
     # otherwise does not restore the device's random state before recomputing (dropout masks)
     torch.cuda._initialized = True

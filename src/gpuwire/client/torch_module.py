@@ -96,6 +96,8 @@ def current_device() -> int:
 
 
 def set_device(index) -> None:
+    if isinstance(index, str):
+        index = torch.device(index)
     index = index.index if isinstance(index, torch.device) else index
     if index not in (None, 0, -1):
         raise ValueError(f"gpuwire device {index} does not exist: this session has one device (index 0)")
