@@ -104,6 +104,56 @@ def test_single_rank_ddp_with_gloo_on_the_gpuwire_device(node, script):
     assert len(remote) == 1 and remote == local
 
 
+SYNC_BATCH_NORM = textwrap.dedent("""
+    import os, sys, torch, torch.nn as nn, torch.distributed as dist
+    rank, world, port = int(sys.argv[1]), 2, sys.argv[2]
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = port
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+
+    def make():
+        torch.manual_seed(0)
+        bn = nn.BatchNorm2d(3)
+        with torch.no_grad():
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.uniform_(-0.5, 0.5)
+        return bn
+
+    # ranks of unequal batches; the reference: one BatchNorm over both batches, on the local CPU
+    xs = [torch.randn(2 + r, 3, 4, 4, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
+    ref = make()
+    full = torch.cat(xs).requires_grad_()
+    ref_out = ref(full)
+    weights = torch.arange(ref_out.numel()).reshape(ref_out.shape).float().sin()
+    (ref_out * weights).sum().backward()
+    mine = slice(sum(x.shape[0] for x in xs[:rank]), sum(x.shape[0] for x in xs[:rank + 1]))
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(make())).cuda()
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[0])
+    x = xs[rank].cuda().requires_grad_()
+    out = ddp(x)
+    (out * weights[mine].cuda()).sum().backward()
+    bn = model[0]
+    print("RESULT", rank, [torch.allclose(out.cpu(), ref_out[mine].detach(), atol=1e-5),
+                           torch.allclose(x.grad.cpu(), full.grad[mine], atol=1e-5),
+                           torch.allclose(bn.running_mean.cpu(), ref.running_mean, atol=1e-6),
+                           torch.allclose(bn.running_var.cpu(), ref.running_var, atol=1e-6),
+                           torch.allclose(bn.weight.grad.cpu(), ref.weight.grad / world, atol=1e-5),
+                           torch.allclose(bn.bias.grad.cpu(), ref.bias.grad / world, atol=1e-5)], flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_sync_batch_norm_across_two_ranks_matches_one_batch_norm_over_both_batches(node, tmp_path):
+    """``nn.SyncBatchNorm`` (DDP scripts' ``--sync-bn``) runs CUDA-only ops (``batch_norm_stats``
+    and four more), which a CPU node computes after CUDA's arithmetic, and gathers statistics
+    with ``all_gather_single``, which the host-staged collectives cover."""
+    path = tmp_path / "sync_bn.py"
+    path.write_text(SYNC_BATCH_NORM)
+    lines = run_ranks(2, lambda rank, port: [sys.executable, "-m", "gpuwire", "run", "--node", node.address, "-q",
+                                             "--", sys.executable, str(path), str(rank), port])
+    assert lines == [f"RESULT {rank} [True, True, True, True, True, True]" for rank in range(2)]
+
+
 def test_processes_that_do_not_use_gpuwire_keep_torch_defaults(monkeypatch):
     # the backend autoload imports gpuwire everywhere: a program on real GPUs must keep NCCL
     from gpuwire.client import distributed

@@ -1676,8 +1676,9 @@ def register() -> None:
                                                                                 DispatchKey.PrivateUse1)
     _aten_library.impl("_to_copy", _to_copy, "PrivateUse1", with_keyset=True)
     from . import compile as _compile
-    from . import fused
+    from . import fused, meta_kernels
     fused.register(_aten_library)
+    meta_kernels.register(_aten_library)
     _compile.register()
     precision.install()
     _register_direct(_aten_library)

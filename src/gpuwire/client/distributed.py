@@ -141,8 +141,11 @@ def _staged_all_gather_into_tensor(original):
     def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
         if not on_device(output_tensor):
             return original(output_tensor, input_tensor, group=group, async_op=async_op)
-        host_out = output_tensor.detach().to("cpu", copy=True)
-        dist.all_gather(list(host_out.chunk(dist.get_world_size(group))), input_tensor.detach().cpu(), group=group)
+        host_out = output_tensor.detach().to("cpu", copy=True)  # (contiguous: its flat chunks are views)
+        # flat, since the output may be (world * n, ...) or any shape of that many elements
+        # (SyncBatchNorm gathers its statistics into a (1, world * n) tensor)
+        dist.all_gather(list(host_out.view(-1).chunk(dist.get_world_size(group))),
+                        input_tensor.detach().cpu().reshape(-1), group=group)
         _back([output_tensor], [host_out])
         return _done(output_tensor) if async_op else None
     return all_gather_into_tensor
@@ -156,7 +159,7 @@ def _staged_reduce_scatter_tensor(original):
         # gloo has no reduce_scatter: reduce everything, keep this rank's part
         host = input.detach().to("cpu", copy=True)
         dist.all_reduce(host, op=op, group=group)
-        _back([output], [host.chunk(dist.get_world_size(group))[dist.get_rank(group)].reshape(output.shape)])
+        _back([output], [host.reshape(-1).chunk(dist.get_world_size(group))[dist.get_rank(group)].reshape(output.shape)])
         return _done(output) if async_op else None
     return reduce_scatter_tensor
 
@@ -181,4 +184,8 @@ def install() -> None:
     # gpuwire device: stage them here, through the host group
     dist.all_gather_into_tensor = _staged_all_gather_into_tensor(dist.all_gather_into_tensor)
     dist.reduce_scatter_tensor = _staged_reduce_scatter_tensor(dist.reduce_scatter_tensor)
+    if hasattr(dist, "all_gather_single"):  # (newer torch; SyncBatchNorm gathers its statistics with it)
+        dist.all_gather_single = _staged_all_gather_into_tensor(dist.all_gather_single)
+    if hasattr(dist, "reduce_scatter_single"):
+        dist.reduce_scatter_single = _staged_reduce_scatter_tensor(dist.reduce_scatter_single)
     _installed = True

@@ -269,9 +269,110 @@ def _zeros_for_zero_tensor(size, *, dtype=None, layout=None, device=None, pin_me
     return torch.zeros(size, dtype=dtype, device=device)
 
 
+# ``nn.SyncBatchNorm``'s ops (DDP with SyncBatchNorm): CUDA kernels only, written here for a
+# CPU node after CUDA's arithmetic (per-channel statistics in the accumulation dtype, float32
+# for half inputs; ranks' statistics combined by their counts); a CUDA node runs its own.
+
+def _channel_dims(t) -> list:
+    return [0, *range(2, t.dim())]
+
+
+def _per_channel(v, t):
+    """A (C,) vector shaped to broadcast over ``t``'s channel dimension."""
+    return v.reshape([1, -1] + [1] * (t.dim() - 2))
+
+
+def _acc(t):
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _inv_std(var, eps):
+    return torch.where((var == 0) & (eps == 0), torch.zeros_like(var), (var + eps).rsqrt())
+
+
+def _batch_norm_stats(input, eps):
+    if input.device.type != "cpu":
+        return torch.ops.aten.batch_norm_stats(input, eps)
+    var, mean = torch.var_mean(_acc(input), dim=_channel_dims(input), correction=0)
+    return mean, _inv_std(var, eps)
+
+
+def _batch_norm_gather_stats_with_counts(input, mean, invstd, running_mean, running_var, momentum, eps, counts):
+    if input.device.type != "cpu":
+        return torch.ops.aten.batch_norm_gather_stats_with_counts(input, mean, invstd, running_mean, running_var,
+                                                                  momentum, eps, counts)
+    counts = counts.to(mean.dtype).reshape(-1, 1)
+    total = counts.sum(0)
+    global_mean = (counts * mean).sum(0) / total
+    var_each = invstd.reciprocal().square() - eps  # each rank's biased variance
+    m2 = (counts * (var_each + (mean - global_mean).square())).sum(0)
+    global_invstd = _inv_std(m2 / total, eps)
+    with torch.no_grad():
+        if running_mean is not None:
+            running_mean.copy_((1 - momentum) * running_mean + momentum * global_mean)
+        if running_var is not None:
+            running_var.copy_((1 - momentum) * running_var + momentum * (m2 / (total - 1)))
+    return global_mean, global_invstd
+
+
+def _batch_norm_elemt(input, weight, bias, mean, invstd, eps):
+    if input.device.type != "cpu":
+        return torch.ops.aten.batch_norm_elemt(input, weight, bias, mean, invstd, eps)
+    x = _acc(input)
+    out = (x - _per_channel(mean, x)) * _per_channel(invstd, x)
+    if weight is not None:
+        out = out * _per_channel(weight, x)
+    if bias is not None:
+        out = out + _per_channel(bias, x)
+    return out.to(input.dtype).contiguous(memory_format=_memory_format(input))
+
+
+def _batch_norm_backward_reduce(grad_out, input, mean, invstd, weight, input_g, weight_g, bias_g):
+    if input.device.type != "cpu":
+        return torch.ops.aten.batch_norm_backward_reduce(grad_out, input, mean, invstd, weight, input_g, weight_g,
+                                                         bias_g)
+    dims, dy, x = _channel_dims(input), _acc(grad_out), _acc(input)
+    sum_dy = dy.sum(dims)
+    sum_dy_xmu = (dy * (x - _per_channel(mean, x))).sum(dims)
+    dtype = weight.dtype if weight is not None else mean.dtype
+    return sum_dy, sum_dy_xmu, (sum_dy_xmu * invstd).to(dtype), sum_dy.to(dtype)
+
+
+def _batch_norm_backward_elemt(grad_out, input, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
+    if input.device.type != "cpu":
+        return torch.ops.aten.batch_norm_backward_elemt(grad_out, input, mean, invstd, weight, sum_dy, sum_dy_xmu,
+                                                        count)
+    dy, x = _acc(grad_out), _acc(input)
+    norm = 1.0 / count.sum().to(mean.dtype)
+    mean_dy, mean_dy_xmu = sum_dy * norm, sum_dy_xmu * norm
+    scale = invstd if weight is None else invstd * weight.to(mean.dtype)
+    grad = (dy - _per_channel(mean_dy, x) - (x - _per_channel(mean, x)) * _per_channel(invstd.square() * mean_dy_xmu, x)) \
+        * _per_channel(scale, x)
+    return grad.to(input.dtype).contiguous(memory_format=_memory_format(input))
+
+
+def _memory_format(t):
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous():
+        return torch.channels_last
+    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d) and not t.is_contiguous():
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
+_SYNC_BATCH_NORM = {
+    "batch_norm_stats": _batch_norm_stats,
+    "batch_norm_gather_stats_with_counts": _batch_norm_gather_stats_with_counts,
+    "batch_norm_elemt": _batch_norm_elemt,
+    "batch_norm_backward_reduce": _batch_norm_backward_reduce,
+    "batch_norm_backward_elemt": _batch_norm_backward_elemt,
+}
+
+
 # aten ops a node runs with a kernel of its own: CPU kernels that refuse what CUDA's accept
 # (which programs written for CUDA use), results a node cannot store as they are
 CPU_NODE_KERNELS = {
+    **{f"aten::{name}": (lambda name=name, kernel=kernel: _CpuNodeKernel(getattr(torch.ops.aten, name).default, kernel))
+       for name, kernel in _SYNC_BATCH_NORM.items()},
     "aten::histc": lambda: _CpuNodeKernel(torch.ops.aten.histc.default, _histc_like_cuda),
     "aten::histc.out": lambda: _CpuNodeKernel(torch.ops.aten.histc.out, _histc_like_cuda),
     "aten::_efficientzerotensor": lambda: _CpuNodeKernel(torch.ops.aten._efficientzerotensor.default,
