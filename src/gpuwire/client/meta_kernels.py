@@ -10,6 +10,7 @@ node computes these ops for real: on CUDA with CUDA's kernels, on a CPU node wit
 from __future__ import annotations
 
 import torch
+from torch._prims_common import suggest_memory_format
 
 
 def _accumulation(dtype: torch.dtype) -> torch.dtype:
@@ -23,7 +24,7 @@ def _channels(input) -> int:
 
 
 def _like(input):
-    return torch.empty_like(input, memory_format=torch._prims_common.suggest_memory_format(input))
+    return torch.empty_like(input, memory_format=suggest_memory_format(input))
 
 
 # nn.SyncBatchNorm's five ops (CUDA's shapes and dtypes: statistics in the accumulation dtype)

@@ -68,11 +68,12 @@ _by_value = threading.local()
 @contextlib.contextmanager
 def host_tensors_by_value():
     """Encode host tensors with dimensions by value in this thread (``inline_ext``)."""
+    before = getattr(_by_value, "on", False)
     _by_value.on = True
     try:
         yield
     finally:
-        _by_value.on = False
+        _by_value.on = before
 
 
 def tensor_ext(t: torch.Tensor) -> msgpack.ExtType:
@@ -193,11 +194,10 @@ def refuse_host_tensors(name: str, args, kwargs) -> None:
     except AttributeError:
         return  # (not an op of this torch: the node decides)
     for index, argument in enumerate(schema.arguments):
-        value = kwargs.get(argument.name) if argument.kwarg_only or index >= len(args) else args[index]
-        values = value if isinstance(value, (list, tuple)) else (value,)
         if argument.name in HOST_TENSOR_ARGUMENTS:
             continue
-        for t in values:
+        value = kwargs.get(argument.name) if argument.kwarg_only or index >= len(args) else args[index]
+        for t in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(t, torch.Tensor) and t.is_cpu and t.dim():
                 from . import cuda_compat
                 device = "cuda:0" if cuda_compat.enabled() else f"{DEVICE_TYPE}:0"

@@ -13,6 +13,7 @@ import threading
 
 import torch
 import torch.nn.functional as F
+from torch._prims_common import suggest_memory_format
 
 from .composite import COMPOSITE_OPS, _generator_for
 
@@ -324,7 +325,7 @@ def _batch_norm_elemt(input, weight, bias, mean, invstd, eps):
         out = out * _per_channel(weight, x)
     if bias is not None:
         out = out + _per_channel(bias, x)
-    return out.to(input.dtype).contiguous(memory_format=_memory_format(input))
+    return out.to(input.dtype).contiguous(memory_format=suggest_memory_format(input))
 
 
 def _batch_norm_backward_reduce(grad_out, input, mean, invstd, weight, input_g, weight_g, bias_g):
@@ -348,15 +349,7 @@ def _batch_norm_backward_elemt(grad_out, input, mean, invstd, weight, sum_dy, su
     scale = invstd if weight is None else invstd * weight.to(mean.dtype)
     grad = (dy - _per_channel(mean_dy, x) - (x - _per_channel(mean, x)) * _per_channel(invstd.square() * mean_dy_xmu, x)) \
         * _per_channel(scale, x)
-    return grad.to(input.dtype).contiguous(memory_format=_memory_format(input))
-
-
-def _memory_format(t):
-    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous():
-        return torch.channels_last
-    if t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d) and not t.is_contiguous():
-        return torch.channels_last_3d
-    return torch.contiguous_format
+    return grad.to(input.dtype).contiguous(memory_format=suggest_memory_format(input))
 
 
 _SYNC_BATCH_NORM = {
