@@ -373,6 +373,21 @@ def device_classes():
 
 
 check("torch.cuda.device / device_of / StreamContext", device_classes)
+
+
+def safetensors_onto_cuda():
+    # safetensors stages a load onto "cuda" in pinned host buffers (torch.empty(..., pin_memory=True))
+    from safetensors.torch import load_file, safe_open, save_file
+    path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
+    save_file({"w": torch.arange(6.0).reshape(2, 3).cuda()}, path)
+    loaded = load_file(path, device="cuda")["w"]
+    with safe_open(path, framework="pt", device="cuda") as f:
+        sliced = f.get_slice("w")[1:]
+    return [str(loaded.device), loaded.cpu().tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]],
+            sliced.cpu().tolist() == [[3.0, 4.0, 5.0]], torch.empty(3, pin_memory=True).shape[0] == 3]
+
+
+check("pinned factories, safetensors load_file/safe_open(device='cuda')", safetensors_onto_cuda)
 # asked by SyncBatchNorm's forward before a host read, and by transformers
 check("is_current_stream_capturing", lambda: torch.cuda.is_current_stream_capturing() is False)
 check("can_device_access_peer / get_allocator_backend",

@@ -108,9 +108,17 @@ class CudaToGpuwire(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs:
             device = kwargs.get("device")
-            if device is not None:
+            pinned = kwargs.get("pin_memory")
+            if device is not None or pinned:
                 kwargs = dict(kwargs)
-                kwargs["device"] = _map_device(device)
+                if device is not None:
+                    kwargs["device"] = _map_device(device)
+                if pinned:
+                    # page-locked host memory needs an allocator a Python backend cannot give
+                    # (it raised "implement getPinnedMemoryAllocator"), and buys nothing when
+                    # bytes go through a socket: safetensors' load_file(device="cuda") and
+                    # libraries' staging buffers ask for it (``Tensor.pin_memory``: shims.py)
+                    kwargs["pin_memory"] = False
         if func is _TENSOR_TO:
             if len(args) > 1:
                 args = (args[0], _map_device(args[1]), *args[2:])
