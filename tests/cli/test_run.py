@@ -79,6 +79,58 @@ def test_hugging_face_fine_tuning_in_cuda_style(node, tmp_path):
     assert re.findall(r"(loss|tokens) (.*)", remote.stdout) == re.findall(r"(loss|tokens) (.*)", local.stdout)
 
 
+TRAINER_CHECKPOINTS = textwrap.dedent("""
+    import sys, numpy as np, torch, transformers
+    from transformers import GPT2Config, GPT2ForSequenceClassification, Trainer, TrainingArguments
+    transformers.logging.set_verbosity_error()
+    out_dir, use_cpu = sys.argv[1], sys.argv[2] == "cpu"
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16, pad_token_id=0, num_labels=2,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2ForSequenceClassification(cfg)
+
+    class Data(torch.utils.data.Dataset):
+        def __init__(self, n):
+            g = torch.Generator().manual_seed(n)
+            self.x, self.y = torch.randint(1, 64, (n, 12), generator=g), torch.randint(0, 2, (n,), generator=g)
+        def __len__(self):
+            return len(self.y)
+        def __getitem__(self, i):
+            return {"input_ids": self.x[i], "labels": self.y[i]}
+
+    def accuracy(p):
+        return {"acc": float((np.argmax(p.predictions, -1) == p.label_ids).mean())}
+
+    common = dict(per_device_train_batch_size=8, save_strategy="epoch", report_to=[], use_cpu=use_cpu,
+                  dataloader_pin_memory=True)
+    # a checkpoint every epoch (model, optimizer, scheduler and every RNG state, the GPU's included),
+    # the best one loaded back at the end ...
+    trainer = Trainer(model=model, args=TrainingArguments(out_dir, num_train_epochs=2, eval_strategy="epoch",
+                                                          load_best_model_at_end=True, metric_for_best_model="acc",
+                                                          **common),
+                      train_dataset=Data(32), eval_dataset=Data(16), compute_metrics=accuracy)
+    print("loss", round(trainer.train().training_loss, 5))
+    print("device", next(model.parameters()).device)
+    # ... and a run resumed from the last checkpoint (RNG states restored)
+    resumed = Trainer(model=model, args=TrainingArguments(out_dir, num_train_epochs=3, **common), train_dataset=Data(32))
+    print("resumed", round(resumed.train(resume_from_checkpoint=True).training_loss, 5))
+""")
+
+
+def test_trainer_checkpoints_and_resume_under_gpuwire_run(node, tmp_path):
+    """The Trainer saves every RNG state at each checkpoint through ``torch.cuda.random``
+    (not ``torch.cuda``): under ``gpuwire run`` its first checkpoint raised "module 'torch._C' has
+    no attribute '_cuda_getDevice'" until session 12."""
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER_CHECKPOINTS)
+    remote = gpuwire("run", "--node", node.address, "--", sys.executable, str(script), str(tmp_path / "gpu"), "gpu")
+    local = python(str(script), str(tmp_path / "cpu"), "cpu")
+    assert remote.returncode == 0, remote.stderr[-3000:]
+    assert local.returncode == 0, local.stderr[-3000:]
+    assert "device cuda:0" in remote.stdout
+    assert re.findall(r"(loss|resumed) (.*)", remote.stdout) == re.findall(r"(loss|resumed) (.*)", local.stdout)
+
+
 CHECKPOINTED_SCRIPT = textwrap.dedent("""
     import sys, torch
     from transformers import GPT2Config, GPT2LMHeadModel

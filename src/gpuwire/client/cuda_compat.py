@@ -762,13 +762,16 @@ def enable() -> None:
         return
     _device.register()
     GPUWIRE = torch.device(DEVICE_TYPE, 0)
-    memory = torch.cuda.memory
+    # ``torch.cuda.random.get_rng_state`` (what the transformers Trainer calls at every checkpoint),
+    # ``torch.cuda.memory.mem_get_info`` & co. are the same functions under their submodule's
+    # name (and what that submodule's other functions call)
+    submodules = [getattr(torch.cuda, name) for name in ("memory", "random", "graphs", "streams")
+                  if isinstance(getattr(torch.cuda, name, None), types.ModuleType)]
     for name, fn in _cuda_functions().items():
         setattr(torch.cuda, name, fn)
-        # ``torch.cuda.memory.mem_get_info`` & co. are the same functions under their module's
-        # name (and what that module's other functions call)
-        if getattr(getattr(memory, name, None), "__module__", None) == memory.__name__:
-            setattr(memory, name, fn)
+        for module in submodules:
+            if getattr(getattr(module, name, None), "__module__", None) == module.__name__:
+                setattr(module, name, fn)
     # what ``is_initialized`` (above) says; read directly by activation checkpointing, which
     # otherwise does not restore the device's random state before recomputing (dropout masks)
     torch.cuda._initialized = True
