@@ -212,7 +212,8 @@ def functions_that_make_tensors_on_their_inputs_device():
     mha = torch.nn.MultiheadAttention(8, 2, add_bias_kv=True, add_zero_attn=True)
     q = torch.randn(5, 2, 8)
     local_out = mha(q, q, q)[0]
-    same_mha = torch.equal(mha.cuda()(q.cuda(), q.cuda(), q.cuda())[0].cpu(), local_out)
+    q_cuda = q.cuda()  # one tensor, as locally: MHA packs the projections only when q is k is v
+    same_mha = torch.equal(mha.cuda()(q_cuda, q_cuda, q_cuda)[0].cpu(), local_out)
     seen = []
     z = torch.randn(3, requires_grad=True, device="cuda")
     z.register_hook(lambda grad: seen.append(str(grad.device)))

@@ -264,33 +264,6 @@ class _CUDAGraph:
                      "run the model eagerly; gpuwire already batches ops into few messages")()
 
 
-class _CudaDevice:
-    """``torch.cuda.device(i)``: this session has one device, so entering it changes nothing
-    (another index is refused). A class, as in PyTorch: its own code tests
-    ``isinstance(x, torch.cuda.device)`` (``torch.cuda._utils._get_device_index``, hence
-    ``torch.cuda.memory_cached()``, ``torch.cuda.StreamContext``), which raised "isinstance() arg
-    2 must be a type" while this was a function."""
-
-    def __init__(self, device):
-        from . import torch_module as tm
-        tm.set_device(device)
-        self.idx = -1 if device == -1 else 0
-        self.prev_idx = self.idx
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        return False
-
-
-class _CudaDeviceOf(_CudaDevice):
-    """``torch.cuda.device_of(tensor)``: the device of a CUDA tensor, a no-op for others."""
-
-    def __init__(self, obj):
-        super().__init__(0 if isinstance(obj, torch.Tensor) and obj.is_cuda else -1)
-
-
 def _cuda_functions() -> dict:
     from . import torch_module as tm
 
@@ -314,8 +287,8 @@ def _cuda_functions() -> dict:
         "device_count": device_count,
         "current_device": lambda: 0,
         "set_device": tm.set_device,
-        "device": _CudaDevice,
-        "device_of": _CudaDeviceOf,
+        "device": tm.device,
+        "device_of": tm.device_of,
         "can_device_access_peer": lambda device, peer_device: False,  # (one device: no peer)
         "get_allocator_backend": lambda: "native",
         # nothing is captured into a CUDA graph (``torch.cuda.graph`` is refused): SyncBatchNorm's

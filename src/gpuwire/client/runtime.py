@@ -388,8 +388,9 @@ class Runtime:
         self._check_alive()
         if self._token_file is not None and type(event) is not Query:
             self._refresh_lease_token()
+        frame = self.conn.send(event)  # (before ``_awaiting``: an argument it cannot encode leaves nothing set)
         self._awaiting = {event.seq}
-        self.enqueue(self.conn.send(event))
+        self.enqueue(frame)
         try:
             self._flush()
             self.round_trips += 1
@@ -435,13 +436,11 @@ class Runtime:
         with self.lock:
             if self.mirror:  # (an op run with a reply may write into its arguments)
                 self.mirror.clear()
-            seq = self.next_seq()
+            event = CallSync(seq=self.next_seq(), name=name, args=list(args), kwargs=kwargs)
             try:
-                reply = self.request(CallSync(seq=seq, name=name, args=list(args), kwargs=kwargs))
+                reply = self.request(event)
             except HostTensorArgument:
-                refuse_host_tensors(name, args, kwargs)
-                with host_tensors_by_value():
-                    reply = self.request(CallSync(seq=seq, name=name, args=list(args), kwargs=kwargs))
+                reply = self._with_host_tensors(name, args, kwargs, lambda: self.request(event))
             return reply.value
 
     def encode_op(self, name: str, args, kwargs, outs) -> bytes:
@@ -452,9 +451,16 @@ class Runtime:
         try:
             return self.conn.encode_op(seq, name, args, kwargs, outs)
         except HostTensorArgument:
-            refuse_host_tensors(name, args, kwargs)
-            with host_tensors_by_value():
-                return self.conn.encode_op(seq, name, args, kwargs, outs)
+            return self._with_host_tensors(name, args, kwargs,
+                                           lambda: self.conn.encode_op(seq, name, args, kwargs, outs))
+
+    @staticmethod
+    def _with_host_tensors(name: str, args, kwargs, encode):
+        """The second try of an encoding that met a host tensor with dimensions: raise as CUDA
+        does where CUDA refuses it, else encode it by value."""
+        refuse_host_tensors(name, args, kwargs)
+        with host_tensors_by_value():
+            return encode()
 
     def query(self, what: str):
         with self.lock:

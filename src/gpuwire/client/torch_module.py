@@ -7,7 +7,6 @@ needs the node (seeding before first use is remembered and sent on connect).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import sys
 import types
@@ -103,11 +102,31 @@ def set_device(index) -> None:
         raise ValueError(f"gpuwire device {index} does not exist: this session has one device (index 0)")
 
 
-@contextlib.contextmanager
-def device(index=None):
-    """Context manager PyTorch uses (e.g. ``torch.load(map_location=...)``); one device, so a no-op."""
-    set_device(index)
-    yield
+class device:
+    """``torch.gpuwire.device(i)`` (and ``torch.cuda.device`` under CUDA compatibility): a context
+    manager PyTorch uses (``torch.load(map_location=...)``); one device, so entering it changes
+    nothing (another index is refused). A class, as in PyTorch: its own code tests
+    ``isinstance(x, torch.cuda.device)`` (``torch.cuda._utils._get_device_index``, hence
+    ``torch.cuda.memory_cached()``, ``torch.cuda.StreamContext``)."""
+
+    def __init__(self, index=None):
+        set_device(index)
+        self.idx = -1 if index == -1 else 0
+        self.prev_idx = self.idx
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+class device_of(device):
+    """``torch.gpuwire.device_of(obj)`` (and ``torch.cuda.device_of``): the device of a tensor on
+    this device, a no-op for anything else."""
+
+    def __init__(self, obj):
+        super().__init__(0 if isinstance(obj, torch.Tensor) and obj.is_cuda else -1)
 
 
 def synchronize(device=None) -> None:
@@ -196,7 +215,7 @@ def get_device_name(device=None) -> str:
 
 module = types.ModuleType("torch.gpuwire", __doc__)
 for _name, _value in list(globals().items()):
-    if callable(_value) and not _name.startswith("__") and _name not in ("Hooks", "Guard", "contextlib", "types", "torch"):
+    if callable(_value) and not _name.startswith("__") and _name not in ("Hooks", "Guard", "types", "torch"):
         setattr(module, _name, _value)
 
 
