@@ -79,6 +79,9 @@ def serve(
     except BackendUnavailable as exc:
         typer.echo(f"gpuwire serve: {exc}", err=True)
         raise typer.Exit(2)
+    if chosen.kind == "cpu":
+        from ._memory import keep_freed_heap
+        keep_freed_heap()  # kernel outputs stay in the heap between steps (see there)
     token = token or os.environ.get("GPUWIRE_NODE_TOKEN") or None
     from .security.tls import TLSConfigError, is_loopback, server_context
     tls = None
