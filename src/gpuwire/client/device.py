@@ -407,6 +407,7 @@ class MutatingPlan:
         self.checked: dict | None = None if self.out_args else {}
         self.numbers = _number_slots(op)
         self.mirrored_as = mirror.functional_for(op._schema)  # (client/mirror.py)
+        self.functional = None  # (FunctionalPlan of the functional op, False if none; on first use)
 
     def __call__(self, op, args, kwargs):
         rt = runtime()
@@ -504,8 +505,37 @@ class MutatingPlan:
                 return False  # (meta_failed: the node's kernel decides, and raises here if it must)
             expected = entry.out_shapes
             if position < len(expected) and tuple(out.shape) != expected[position]:
-                out.resize_(expected[position])
+                shape = expected[position]
+                out.resize_(shape)
+                # and restrided as TensorIterator restrides an out it resized, to the layout of
+                # the functional op's result: ``abs``, ``logical_and``, ``complex`` ... pass
+                # ``empty(0)`` to their out= kernel, and their result of a channels-last input
+                # is channels-last on CPU and CUDA (meta out= kernels resize it contiguous)
+                strides = self._functional_strides(op, args, kwargs)
+                if strides is not None and strides != out.stride() and tuple(shape) == strides[0] \
+                        and _dense(shape, strides[1]):
+                    out.as_strided_(shape, strides[1])
         return True
+
+    def _functional_strides(self, op, args, kwargs):
+        """(shape, strides) of the result of the functional op this single-out= op computes
+        (``abs.out`` -> ``abs``), or None."""
+        if self.functional is None:
+            schema = op._schema
+            overload = schema.overload_name
+            self.functional = False
+            if len(self.out_args) == 1 and (overload == "out" or overload.endswith("_out")):
+                packet = getattr(aten, schema.name[len("aten::"):])
+                functional = getattr(packet, overload[:-4] if overload.endswith("_out") else "default", None)
+                if functional is not None and not any(a.is_out for a in functional._schema.arguments):
+                    self.functional = FunctionalPlan(functional)
+        if not self.functional:
+            return None
+        out_names = {name for _, name, _ in self.out_args}
+        entry = self.functional.outputs(op, args, {k: v for k, v in kwargs.items() if k not in out_names})
+        if not isinstance(entry, _MetaEntry) or len(entry.specs) != 1:
+            return None
+        return entry.specs[0][0], entry.specs[0][1]
 
     def _call_sync_outs(self, op, args, kwargs):
         """Run an out= op whose out sizes are unknown here with a reply. Where the node's kernel
@@ -521,6 +551,17 @@ class MutatingPlan:
         if self.single:
             return outs[0]
         return outs if outs else None
+
+
+def _dense(shape, strides) -> bool:
+    """Whether ``strides`` lay ``shape`` out without gaps or overlaps (a permuted contiguous
+    layout, as a memory format is)."""
+    expected = 1
+    for size, stride in sorted(zip(shape, strides), key=lambda pair: pair[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _check_not_resized(sources, out_shapes, args, kwargs) -> None:
@@ -689,7 +730,7 @@ def queue_op(rt: Runtime, name: str, args, kwargs, outs=()) -> None:
 # A host tensor of these dtypes may be a mask (``x[mask]``, ``index_put_`` with a boolean
 # index): the op's result size depends on its values, which the meta kernel reads (it is a real
 # CPU tensor), so an output layout cached by metadata alone was reused for the next mask.
-_MASK_DTYPES = frozenset((torch.bool, torch.uint8))
+_MASK_DTYPES = (torch.bool, torch.uint8, torch.int8)
 
 
 def _host_mask_key(t: torch.Tensor) -> tuple:
@@ -765,8 +806,6 @@ def _call_key(args, kwargs, by_class, by_kind) -> tuple:
             append(v)
     return tuple(key)
 
-
-_MASK_DTYPES = (torch.bool, torch.uint8, torch.int8)
 
 
 def _has_host_mask(args, kwargs) -> bool:
@@ -906,7 +945,8 @@ class DirectPlan:
         return tuple(submit_with_outputs(self.name, args, kwargs, specs))
 
     def _learn(self, key, keyset, args, kwargs):
-        if self.name in _OUT_RESIZED_BY_META:
+        if self.name in _OUT_RESIZED_BY_META or (_infer_as_cpu and self.name in _CPU_KERNEL_FIXES):
+            # (the generic kernel's layout is the C++ meta function's, which these fixes correct)
             return self._learn_from_meta(key, args, kwargs)
         for index, name, kwarg_only in self.tensor_slots:
             if type(args[index] if not kwarg_only and index < len(args) else kwargs.get(name)) in _NUMBER_TYPES:
@@ -947,7 +987,9 @@ class DirectPlan:
             # as wrapped-number tensors: the meta kernel (like the node) refuses a plain number in
             # a Tensor slot, which made ``x % 2`` or ``torch.fmod(x, 1.5)`` a round trip every call
             args, kwargs = _numbers_as_tensors(self.numbers, args, kwargs)
-        entry = self._checker._compute(args, kwargs)
+        # (a number the op takes as a tensor, ``x * 2.0``, reaches the meta kernel as a meta
+        # scalar too: see ``_to_meta``)
+        entry = self._checker._compute(*_numbers_as_tensors(self.tensor_slots, args, kwargs))
         if entry is SYNC or entry is None:
             # no metadata here, or the meta kernel raised: the node runs the op with a reply
             # (so its error is raised at this line)
@@ -1061,6 +1103,15 @@ def _to_meta(value):
     if isinstance(value, torch.Tensor):
         if on_device(value):
             return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+        if value.dim() == 0 and value.dtype not in _MASK_DTYPES and value.is_cpu:
+            # A host scalar (``x * 2.0``'s wrapped number, a 0-dim CPU tensor) meets meta
+            # tensors as a meta scalar: given a CPU one, the meta kernels of pointwise ops take
+            # the Python references' path, whose output strides differ from TensorIterator's
+            # (C++, on CPU and CUDA alike) on size-1 dimensions: ``(x * 2.0)`` of a batch-1
+            # channels-last tensor came out channels-last by another stride than a CPU run's,
+            # and the next group_norm took its channels-last kernel and rounded differently.
+            # (Its dtype already promotes as the host scalar does; a mask keeps its values.)
+            return torch.empty((), dtype=value.dtype, device="meta")
         return value
     if isinstance(value, (list, tuple)):
         return type(value)(_to_meta(v) for v in value) if not isinstance(value, torch.Size) else value
@@ -1097,6 +1148,47 @@ def _norm_outputs_like_cpu(input_slot: int, param_slots: tuple, stat_outputs: tu
             fixed[grad_output] = fixed[grad_output].to(x.dtype)
         return tuple(fixed)
     return fix
+
+
+def _in_input_memory_format(input_slot: int, then=None, only_with_dims: bool = False):
+    """Results in the memory format of the input (``suggest_memory_format``), as these CPU
+    kernels make them where the meta kernels (modelled on CUDA's) give contiguous ones: the
+    reflection/replication pads and their backwards, pixel (un)shuffle, channel shuffle,
+    ``roll`` along dims, ``max_unpool2d``, and group norm's batch-1 stride. Channels-last
+    convolutional nets on a CPU node would otherwise continue from a layout a CPU run does not
+    have, and the next layout-sensitive kernel (convolution, group norm) rounds differently.
+    ``then``: a fix to apply first; ``only_with_dims``: ``roll`` without dims flattens."""
+    from torch._prims_common import suggest_memory_format
+
+    def fix(args, kwargs, result):
+        if then is not None:
+            result = then(args, kwargs, result)
+        x = args[input_slot] if len(args) > input_slot else None
+        if not isinstance(x, torch.Tensor) or x.dim() not in (4, 5):
+            return result
+        if only_with_dims and not (args[2] if len(args) > 2 else kwargs.get("dims")):
+            return result
+        memory_format = suggest_memory_format(x)
+        if memory_format is torch.contiguous_format:
+            return result
+
+        def restride(r):
+            if isinstance(r, torch.Tensor) and r.dim() == x.dim():
+                return torch.empty(r.shape, dtype=r.dtype, device=r.device, memory_format=memory_format)
+            return r
+        return tuple(restride(r) for r in result) if isinstance(result, tuple) else restride(result)
+    return fix
+
+
+def _contiguous_results(args, kwargs, result):
+    """Contiguous results, as these CPU kernels allocate them (``LEGACY_CONTIGUOUS_MEMORY_FORMAT``)
+    where the meta kernels keep a channels-last input's layout: the pointwise losses'
+    backwards, ``glu_backward``, ``rrelu_with_noise``, ``log_sigmoid_forward``."""
+    def contiguous(r):
+        if isinstance(r, torch.Tensor) and not r.is_contiguous():
+            return torch.empty(r.shape, dtype=r.dtype, device=r.device)
+        return r
+    return tuple(contiguous(r) for r in result) if isinstance(result, tuple) else contiguous(result)
 
 
 def _embedding_bag_cpu_outputs(forward_only: bool):
@@ -1154,9 +1246,19 @@ _CPU_KERNEL_FIXES = {
         "aten::_native_batch_norm_legit_no_training", "aten::_native_batch_norm_legit_functional",
         "aten::_batch_norm_with_update", "aten::_batch_norm_with_update_functional", "aten::_batch_norm_no_update")},
     "aten::native_layer_norm": _norm_outputs_like_cpu(0, (2, 3), (1, 2)),
-    "aten::native_group_norm": _norm_outputs_like_cpu(0, (1, 2), (1, 2)),
+    "aten::native_group_norm": _in_input_memory_format(0, then=_norm_outputs_like_cpu(0, (1, 2), (1, 2))),
     # (grad_out, input, mean, rstd, weight, ...): the input's gradient has the input's dtype
-    "aten::native_group_norm_backward": _norm_outputs_like_cpu(1, (4,), (), grad_output=0),
+    "aten::native_group_norm_backward": _in_input_memory_format(
+        1, then=_norm_outputs_like_cpu(1, (4,), (), grad_output=0)),
+    **{f"aten::{name}": _in_input_memory_format(0) for name in (
+        "reflection_pad2d", "replication_pad2d", "reflection_pad3d", "replication_pad3d",
+        "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "native_channel_shuffle", "max_unpool2d")},
+    **{f"aten::{name}_backward": _in_input_memory_format(1) for name in (  # (grad_output, input, ...)
+        "reflection_pad2d", "replication_pad2d", "reflection_pad3d", "replication_pad3d")},
+    "aten::roll": _in_input_memory_format(0, only_with_dims=True),
+    **{f"aten::{name}": _contiguous_results for name in (
+        "mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward", "glu_backward",
+        "rrelu_with_noise", "log_sigmoid_forward")},
 }
 
 

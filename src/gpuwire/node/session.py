@@ -651,10 +651,10 @@ class Session:
         fn, call, kind = entry
         args, kwargs, outs = event.args, event.kwargs, event.outs
         self._guard_allocation(event, fn, kind)
-        bits_before = None
+        out_state = None
         if kind is _OUT and not outs:
-            bits_before = [(value, value.is_conj(), value.is_neg()) for value in chain(args, kwargs.values())
-                           if type(value) is _TENSOR]
+            out_state = [(value, value.is_conj(), value.is_neg(), value.stride())
+                         for value in chain(args, kwargs.values()) if type(value) is _TENSOR]
         rng = self.rng
         with rng.lock:
             if rng.owner is not self:
@@ -677,8 +677,8 @@ class Session:
                         raise
                     result = run_upcast(fn, args, kwargs)
         self.ops_run += 1
-        if bits_before is not None:
-            self._materialize_math_bits(bits_before)
+        if out_state is not None:
+            self._restore_out_layouts(out_state)
         if outs:
             if type(result) is _TENSOR:
                 if len(outs) != 1:
@@ -701,17 +701,28 @@ class Session:
                 else:
                     self._adopt(tensor, out)
 
-    def _materialize_math_bits(self, bits_before: list) -> None:
-        """An out= kernel may leave a lazy conjugate (or negation) bit on its out tensor instead
-        of writing the values (``linalg_lu_solve(left=False)`` writes through ``out.mH``): the
-        bit lives in this node's tensor object only, so the client would read the raw bytes.
-        Write the values themselves into the storage, and forget the cached views of it."""
-        for value, conj, neg in bits_before:
-            if (conj or not value.is_conj()) and (neg or not value.is_neg()):
+    def _restore_out_layouts(self, before: list) -> None:
+        """Put an out= kernel's result in the layout the client knows. The kernel's changes to
+        its out tensor's metadata live in this node's tensor object only, and the client reads
+        the storage by the layout it sent:
+        - a lazy conjugate (or negation) bit instead of the values (``linalg_lu_solve(left=False)``
+          writes through ``out.mH``);
+        - new strides: CPU kernels restride a same-sized out to their input's memory format
+          (``replication_pad2d``, ``reflection_pad3d`` of a channels-last input wrote
+          channels-last bytes that the client read as contiguous: wrong values).
+        Write the values in the declared layout, and forget the cached views of the tensor."""
+        for value, conj, neg, strides in before:
+            restrided = value.stride() != strides
+            if not restrided and (conj or not value.is_conj()) and (neg or not value.is_neg()):
                 continue  # no bit added (a view the client sent conjugated stays as it was)
+            if restrided and len(strides) != value.dim():
+                continue  # resized to another rank: the client's shape check reports it
+            values = value.resolve_conj().resolve_neg()
+            if restrided:
+                values = values.clone()  # (read before the same bytes are rewritten)
             plain = torch.empty(0, dtype=value.dtype, device=value.device).set_(
-                value.untyped_storage(), value.storage_offset(), value.shape, value.stride())
-            plain.copy_(value.resolve_conj().resolve_neg())
+                value.untyped_storage(), value.storage_offset(), value.shape, strides)
+            plain.copy_(values)
             for key in [key for key, entry in self._views.items() if entry[2] is value]:
                 self._views.pop(key, None)
 

@@ -1,0 +1,160 @@
+"""Memory formats: results come out in the layout a CPU run gives them, with the same values.
+
+A layout is more than cosmetics: convolution, group norm and pooling pick their kernel by the
+input's memory format, and round differently in each. A channels-last net (or a batch of one,
+whose size-1 batch dimension leaves strides ambiguous) that drifts into another layout than a
+CPU run's stops matching it bit for bit a few layers later.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+A = torch.ops.aten
+
+
+def _channels_last(shape):
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    return x.contiguous(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+
+
+_LAYERS = {
+    "reflection pad 2d": (lambda x: F.pad(x, (1, 2, 1, 2), mode="reflect"), 4),
+    "replication pad 2d": (lambda x: F.pad(x, (1, 1, 2, 2), mode="replicate"), 4),
+    "reflection pad 3d": (lambda x: F.pad(x, (1,) * 6, mode="reflect"), 5),
+    "replication pad 3d": (lambda x: F.pad(x, (1,) * 6, mode="replicate"), 5),
+    "pixel shuffle": (lambda x: F.pixel_shuffle(x, 2), 4),
+    "pixel unshuffle": (lambda x: F.pixel_unshuffle(x, 2), 4),
+    "channel shuffle": (lambda x: F.channel_shuffle(x, 2), 4),
+    "roll along dims": (lambda x: torch.roll(x, (1, 2), (2, 3)), 4),
+    "group norm": (lambda x: F.group_norm(x, 2, torch.ones(4, device=x.device), torch.zeros(4, device=x.device)), 4),
+    "max unpool": (lambda x: F.max_unpool2d(*F.max_pool2d(x, 2, return_indices=True), 2), 4),
+    # CPU makes these gradients (or results) contiguous where the meta kernels keep the layout
+    "mse loss": (lambda x: F.mse_loss(x, torch.linspace(-1, 1, x.numel()).reshape(x.shape).to(x.device)), 4),
+    "smooth l1 loss": (lambda x: F.smooth_l1_loss(x, torch.zeros(x.shape, device=x.device)), 4),
+    "huber loss": (lambda x: F.huber_loss(x, torch.zeros(x.shape, device=x.device), delta=0.5), 4),
+    "glu": (lambda x: F.glu(x, 1), 4),
+    "log sigmoid": (lambda x: F.logsigmoid(x), 4),
+}
+
+
+@pytest.mark.parametrize("batch", [2, 1])
+@pytest.mark.parametrize("name", sorted(_LAYERS))
+def test_channels_last_layers_keep_cpu_layout_and_values_forward_and_backward(device, name, batch):
+    layer, dims = _LAYERS[name]
+    x = _channels_last((batch, 4, 6, 6) if dims == 4 else (batch, 4, 4, 4, 4))
+    results = {}
+    for where in ("cpu", device):
+        leaf = x.to(where).detach().requires_grad_()
+        y = layer(leaf)
+        grad = torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape).to(where) / y.numel()
+        if y.dim() == dims:
+            grad = grad.contiguous(memory_format=torch.channels_last if dims == 4 else torch.channels_last_3d)
+        y.backward(grad)
+        results[where] = (y.stride(), y.detach().cpu(), leaf.grad.stride(), leaf.grad.cpu())
+    cpu, remote = results["cpu"], results[device]
+    assert remote[0] == cpu[0], "forward layout"
+    assert torch.equal(remote[1], cpu[1]), "forward values"
+    assert remote[2] == cpu[2], "gradient layout"
+    if name == "group norm":
+        # autograd's formula hands group norm's backward contiguous copies on every device but
+        # the CPU (CUDA's path, which a device follows), so it rounds as CUDA does
+        torch.testing.assert_close(remote[3], cpu[3])
+    else:
+        assert torch.equal(remote[3], cpu[3]), "gradient values"
+
+
+@pytest.mark.parametrize("op", ["replication_pad2d", "reflection_pad3d"])
+def test_an_out_kernel_that_restrides_its_out_is_read_in_the_layout_the_client_declared(device, op):
+    # the CPU kernels restride a same-sized out= tensor to the input's memory format; the
+    # client reads the storage by the layout it sent, so the node must write that layout
+    x = _channels_last((2, 3, 4, 5) if op.endswith("2d") else (2, 3, 4, 4, 4))
+    padding = [1, 1, 2, 2] if op.endswith("2d") else [1] * 6
+    expected = getattr(A, op)(x, padding)
+    out = torch.empty(expected.shape, device=device)  # contiguous
+    getattr(A, op).out(x.to(device), padding, out=out)
+    assert torch.equal(out.cpu(), expected)
+    assert torch.equal((out * 1).cpu(), expected)  # a later op reads it right too
+
+
+_NUMBER_OPS = {
+    "x * 2.0": lambda x: x * 2.0,
+    "x / 3.0": lambda x: x / 3.0,
+    "x + 1": lambda x: x + 1,
+    "2.0 - x": lambda x: 2.0 - x,
+    "x * 0-dim host tensor": lambda x: x * torch.tensor(2.0),
+    "int x * 2.5": lambda x: x.int() * 2.5,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_NUMBER_OPS))
+def test_a_number_operand_keeps_cpu_strides_on_a_size_one_batch(device, name):
+    # A batch-1 channels-last tensor whose batch stride is C, as attention blocks' reshapes
+    # leave it (diffusers' UNet): TensorIterator keeps that stride for an op with a number,
+    # the Python reference kernels did not, and the next group norm took another kernel.
+    op = _NUMBER_OPS[name]
+    x = torch.as_strided(_channels_last((1, 32, 8, 8)), (1, 32, 8, 8), (32, 1, 256, 32))
+    expected = op(x)
+    got = op(x.to(device))
+    assert got.stride() == expected.stride()
+    assert got.dtype == expected.dtype
+    assert torch.equal(got.cpu(), expected)
+    if expected.is_floating_point():
+        assert torch.equal(F.group_norm(got, 8).cpu(), F.group_norm(expected, 8))
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_channels_last_super_resolution_net_trains_bit_for_bit(device, batch):
+    def net():
+        torch.manual_seed(1)
+        return nn.Sequential(
+            nn.ReflectionPad2d(1), nn.Conv2d(3, 8, 3), nn.SiLU(),
+            nn.ReplicationPad2d(1), nn.Conv2d(8, 12, 3), nn.PixelShuffle(2), nn.Conv2d(3, 4, 3, padding=1),
+            nn.ChannelShuffle(2), nn.PixelUnshuffle(2), nn.Conv2d(16, 3, 1),
+        ).to(memory_format=torch.channels_last)
+
+    torch.manual_seed(2)
+    data = [(torch.randn(batch, 3, 8, 8).contiguous(memory_format=torch.channels_last), torch.randn(batch, 3, 8, 8))
+            for _ in range(3)]
+    runs = {}
+    for where in ("cpu", device):
+        model = net().to(where)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        losses = []
+        for x, target in data:
+            opt.zero_grad()
+            out = model(x.to(where))
+            loss = F.mse_loss(out * 0.5, target.to(where))
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        runs[where] = (losses, [p.detach().cpu() for p in model.parameters()])
+    assert runs[device][0] == runs["cpu"][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[device][1], runs["cpu"][1]))
+
+
+@pytest.mark.parametrize("name, op", [
+    ("abs", torch.abs), ("logical_not", torch.logical_not), ("isinf", torch.isinf),
+    ("logical_and", lambda x: torch.logical_and(x, x > 0)), ("complex", lambda x: torch.complex(x, x)),
+    ("hardshrink", F.hardshrink),
+])
+def test_ops_that_fill_an_empty_out_keep_a_channels_last_layout(device, name, op):
+    # their composite kernels pass ``empty(0)`` to the out= kernel, which TensorIterator
+    # resizes *and restrides* to the result's layout; resized contiguous, a channels-last
+    # net left channels-last at the first ``abs``
+    x = _channels_last((2, 3, 4, 5))
+    expected = op(x)
+    got = op(x.to(device))
+    assert got.stride() == expected.stride()
+    assert torch.equal(got.cpu(), expected)
+
+
+def test_a_user_out_tensor_of_the_wrong_size_is_resized_like_cpu(device):
+    x = _channels_last((2, 3, 4, 5))
+    expected, out = torch.empty(0), torch.empty(0, device=device)
+    torch.abs(x, out=expected)
+    torch.abs(x.to(device), out=out)
+    assert out.stride() == expected.stride()
+    assert torch.equal(out.cpu(), expected)
