@@ -158,3 +158,21 @@ def test_a_user_out_tensor_of_the_wrong_size_is_resized_like_cpu(device):
     torch.abs(x.to(device), out=out)
     assert out.stride() == expected.stride()
     assert torch.equal(out.cpu(), expected)
+
+
+@pytest.mark.parametrize("name, op", [
+    ("zeros_like", torch.zeros_like), ("ones_like", torch.ones_like), ("full_like", lambda x: torch.full_like(x, 2.0)),
+    ("randn_like", torch.randn_like), ("rand_like", torch.rand_like), ("randint_like", lambda x: torch.randint_like(x, 9)),
+    ("empty_like", torch.empty_like), ("flip", lambda x: torch.flip(x, (2,))),
+    ("zeros_like, contiguous asked", lambda x: torch.zeros_like(x, memory_format=torch.contiguous_format)),
+])
+def test_like_factories_keep_a_dense_input_s_exact_strides(device, name, op):
+    # ``empty_like`` keeps a dense input's strides, size-1 dimensions included: a batch-1
+    # channels-last tensor whose batch stride is C is not "channels last" to PyTorch's memory
+    # format test, and the next kernel must see the same layout as in a CPU run
+    x = torch.as_strided(_channels_last((1, 32, 8, 8)), (1, 32, 8, 8), (32, 1, 256, 32))
+    expected = op(x)
+    got = op(x.to(device))
+    assert got.stride() == expected.stride()
+    if name in ("zeros_like", "ones_like", "full_like", "flip"):
+        assert torch.equal(got.cpu(), expected)

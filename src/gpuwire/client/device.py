@@ -645,6 +645,8 @@ class FunctionalPlan:
             fix = _CPU_KERNEL_FIXES.get(self.name)
             if fix is not None:
                 result = fix(args, kwargs, result)
+        if self.name in _PRESERVE_LAYOUT:
+            result = _preserved_layout(args, kwargs, result)
         return self._entry(result)
 
     def _compute_as_cpu(self, args, kwargs):
@@ -670,6 +672,9 @@ class FunctionalPlan:
         if fix is not None:
             with mode:
                 result = fix(args, kwargs, result)
+        if self.name in _PRESERVE_LAYOUT:
+            with mode:
+                result = _preserved_layout(args, kwargs, result)
         return self._entry(result)
 
     def _entry(self, result):
@@ -1189,6 +1194,27 @@ def _contiguous_results(args, kwargs, result):
             return torch.empty(r.shape, dtype=r.dtype, device=r.device)
         return r
     return tuple(contiguous(r) for r in result) if isinstance(result, tuple) else contiguous(result)
+
+
+# Ops whose C++ kernel (every device's) allocates the result with ``empty_like(input)``: a dense
+# input's strides are kept exactly, where the meta kernels (Python references) recompute them and
+# differ on size-1 dimensions: ``randn_like`` of a batch-1 channels-last tensor came out in a
+# layout that PyTorch's memory-format test reads otherwise, and the next norm or convolution
+# took another kernel than a local run's.
+_PRESERVE_LAYOUT = frozenset({
+    "aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten::full_like", "aten::rand_like",
+    "aten::randn_like", "aten::randint_like", "aten::randint_like.low_dtype", "aten::randint_like.Tensor",
+    "aten::flip",
+})
+
+
+def _preserved_layout(args, kwargs, result):
+    x = args[0] if args else None
+    if (not isinstance(x, torch.Tensor) or not isinstance(result, torch.Tensor) or result.shape != x.shape
+            or kwargs.get("memory_format", torch.preserve_format) is not torch.preserve_format
+            or result.stride() == x.stride() or not x.numel() or not _dense(x.shape, x.stride())):
+        return result
+    return torch.empty_strided(x.shape, x.stride(), dtype=result.dtype, device=result.device)
 
 
 def _embedding_bag_cpu_outputs(forward_only: bool):
