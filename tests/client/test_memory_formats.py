@@ -176,3 +176,37 @@ def test_like_factories_keep_a_dense_input_s_exact_strides(device, name, op):
     assert got.stride() == expected.stride()
     if name in ("zeros_like", "ones_like", "full_like", "flip"):
         assert torch.equal(got.cpu(), expected)
+
+
+def _batch_norm_inputs():
+    torch.manual_seed(3)
+    one, two, five = torch.randn(1, 2, 3, 4), torch.randn(2, 3, 4, 5), torch.randn(1, 3, 4, 5, 2)
+    channels_last = one.contiguous(memory_format=torch.channels_last)
+    return {
+        "batch 1 contiguous": one,
+        "batch 1 channels-last": channels_last,
+        "batch 1 channels-last, batch stride C": torch.as_strided(channels_last, one.shape, (2, 1, 8, 2)),
+        "batch 1, odd batch stride": torch.as_strided(one.contiguous(), one.shape, (7, 12, 4, 1)),
+        "one channel, channels-last": torch.randn(2, 1, 3, 4).contiguous(memory_format=torch.channels_last),
+        "channels-last": two.contiguous(memory_format=torch.channels_last),
+        "transposed": two.transpose(2, 3),
+        "channels-last 3d": five.contiguous(memory_format=torch.channels_last_3d),
+    }
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("layout", sorted(_batch_norm_inputs()))
+def test_batch_norm_gives_cpu_s_layout_for_every_input_layout(device, layout, training):
+    x = _batch_norm_inputs()[layout]
+    channels = x.shape[1]
+    results = {}
+    for where in ("cpu", device):
+        leaf = x.to(where).detach().requires_grad_()
+        weight = torch.linspace(0.5, 1.5, channels).to(where).requires_grad_()
+        y = F.batch_norm(leaf, torch.zeros(channels).to(where), torch.ones(channels).to(where), weight, None,
+                         training=training)
+        y.backward((torch.arange(y.numel(), dtype=torch.float32).reshape(y.shape) / 7).to(where))
+        results[where] = (y.stride(), y.detach().cpu(), leaf.grad.stride(), leaf.grad.cpu(), weight.grad.cpu())
+    cpu, remote = results["cpu"], results[device]
+    assert (remote[0], remote[2]) == (cpu[0], cpu[2])
+    assert torch.equal(remote[1], cpu[1]) and torch.equal(remote[3], cpu[3]) and torch.equal(remote[4], cpu[4])

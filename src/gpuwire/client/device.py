@@ -1185,6 +1185,28 @@ def _in_input_memory_format(input_slot: int, then=None, only_with_dims: bool = F
     return fix
 
 
+def _batch_norm_layout(then=None, input_slot: int = 0):
+    """CPU batch norm's output layout: contiguous for a contiguous input, channels-last for a
+    channels-last-contiguous one (a batch of one included, whatever its batch stride), else the
+    suggested memory format. The meta kernels keep a batch-1 input's odd batch stride, which
+    PyTorch's memory-format test then reads as another format than the CPU's result has."""
+    from torch._prims_common import suggest_memory_format
+
+    def fix(args, kwargs, result):
+        if then is not None:
+            result = then(args, kwargs, result)
+        x = args[input_slot] if len(args) > input_slot else None
+        if not isinstance(x, torch.Tensor) or x.dim() not in (4, 5) or not isinstance(result, tuple) \
+                or not isinstance(result[0], torch.Tensor) or result[0].shape != x.shape:
+            return result
+        channels_last = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+        memory_format = (torch.contiguous_format if x.is_contiguous() else channels_last
+                         if x.is_contiguous(memory_format=channels_last) else suggest_memory_format(x))
+        out = result[0]
+        return (torch.empty(out.shape, dtype=out.dtype, device=out.device, memory_format=memory_format), *result[1:])
+    return fix
+
+
 def _contiguous_results(args, kwargs, result):
     """Contiguous results, as these CPU kernels allocate them (``LEGACY_CONTIGUOUS_MEMORY_FORMAT``)
     where the meta kernels keep a channels-last input's layout: the pointwise losses'
@@ -1267,10 +1289,12 @@ _CPU_DIFFERS_FROM_META = frozenset({
 _CPU_KERNEL_FIXES = {
     "aten::_embedding_bag": _embedding_bag_cpu_outputs(forward_only=False),
     "aten::_embedding_bag_forward_only": _embedding_bag_cpu_outputs(forward_only=True),
-    **{name: _norm_outputs_like_cpu(0, (1, 2, 3, 4), (1, 2)) for name in (
+    **{name: _batch_norm_layout(_norm_outputs_like_cpu(0, (1, 2, 3, 4), (1, 2))) for name in (
         "aten::native_batch_norm", "aten::_native_batch_norm_legit", "aten::_native_batch_norm_legit.no_stats",
         "aten::_native_batch_norm_legit_no_training", "aten::_native_batch_norm_legit_functional",
         "aten::_batch_norm_with_update", "aten::_batch_norm_with_update_functional", "aten::_batch_norm_no_update")},
+    # (grad_out, input, ...): the input's gradient in the layout of the forward's output
+    "aten::native_batch_norm_backward": _batch_norm_layout(input_slot=1),
     "aten::native_layer_norm": _norm_outputs_like_cpu(0, (2, 3), (1, 2)),
     "aten::native_group_norm": _in_input_memory_format(0, then=_norm_outputs_like_cpu(0, (1, 2), (1, 2))),
     # (grad_out, input, mean, rstd, weight, ...): the input's gradient has the input's dtype
