@@ -1226,7 +1226,7 @@ def _contiguous_results(args, kwargs, result):
 _PRESERVE_LAYOUT = frozenset({
     "aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten::full_like", "aten::rand_like",
     "aten::randn_like", "aten::randint_like", "aten::randint_like.low_dtype", "aten::randint_like.Tensor",
-    "aten::flip",
+    "aten::flip", "aten::hardtanh", "aten::_prelu_kernel", "aten::huber_loss",
 })
 
 
