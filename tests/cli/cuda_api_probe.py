@@ -472,4 +472,18 @@ def out_of_memory_as_libraries_see_it():
 
 
 check("out of memory as libraries see it", out_of_memory_as_libraries_see_it)
+
+
+def extension_op_with_a_cpu_kernel():
+    """An op outside aten with CPU (and, elsewhere, CUDA) kernels, as torchvision's nms or
+    torch_scatter's: a node runs aten only, so it runs on the host and its result is on cuda."""
+    lib = torch.library.Library("gwprobe", "DEF")
+    lib.define("twice(Tensor x) -> Tensor")
+    lib.impl("twice", lambda x: x * 2, "CPU")
+    x = torch.randn(5)
+    y = torch.ops.gwprobe.twice(x.cuda())
+    return [y.is_cuda, torch.equal(y.cpu(), x * 2)]
+
+
+check("extension op with a CPU kernel on cuda tensors", extension_op_with_a_cpu_kernel)
 print("RESULTS " + json.dumps(results))

@@ -31,7 +31,7 @@ import torch
 from torch._C import DispatchKey, DispatchKeySet
 
 from .._memory import RecyclingHostTensors, StorageCache
-from . import mirror, precision, wire
+from . import host_ops, mirror, precision, wire
 from .errors import ConnectionLost
 from .runtime import Runtime
 from .wire import CODE_DTYPE, DTYPE_CODE
@@ -229,6 +229,8 @@ def _make_plan(op):
     special = SPECIAL.get(op)
     if special is not None:
         return special
+    if not host_ops.runs_on_node(op):
+        return host_ops.HostPlan(op)
     schema = op._schema
     returns = schema.returns
     writes_args = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
