@@ -486,4 +486,20 @@ def extension_op_with_a_cpu_kernel():
 
 
 check("extension op with a CPU kernel on cuda tensors", extension_op_with_a_cpu_kernel)
+
+
+def numpy_of_a_cuda_tensor_refused_as_cuda():
+    import numpy as np
+
+    messages = []
+    for convert in (lambda t: t.numpy(), np.asarray):
+        try:
+            convert(torch.ones(2, device="cuda"))
+        except TypeError as exc:
+            messages.append(str(exc))
+    return [len(messages) == 2] + [m.startswith("can't convert cuda:0 device type tensor to numpy") for m in messages] \
+        + [torch.ones(2).numpy().tolist() == [1.0, 1.0]]
+
+
+check("numpy() of a cuda tensor refused as CUDA does", numpy_of_a_cuda_tensor_refused_as_cuda)
 print("RESULTS " + json.dumps(results))

@@ -516,6 +516,18 @@ def _patch_tensor_device() -> None:
 
     torch.Tensor.record_stream = record_stream_in_order
 
+    # ``x.numpy()`` / ``np.asarray(x)`` of a device tensor: CUDA's refusal, naming cuda
+    numpy = torch.Tensor.numpy
+
+    @functools.wraps(numpy)
+    def numpy_refusing_like_cuda(self, *args, **kwargs):
+        if on_device(self):
+            raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the "
+                            "tensor to host memory first.")
+        return numpy(self, *args, **kwargs)
+
+    torch.Tensor.numpy = numpy_refusing_like_cuda
+
 
 def _patch_serialization() -> None:
     """Checkpoints with CUDA storages (or ``map_location="cuda"``) load onto gpuwire."""
