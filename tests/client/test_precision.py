@@ -73,3 +73,27 @@ def test_a_setter_the_node_does_not_accept_fails_the_op_not_the_session(device):
     with pytest.raises(gpuwire.RemoteError, match="not a math-mode setter"):
         gpuwire.synchronize()
     assert torch.ones(2, device=device).sum().item() == 2.0
+
+
+def test_deterministic_and_cudnn_flags_reach_the_node(device):
+    # reproducibility scripts set these, and on a CUDA node they pick the kernels
+    # (deterministic scatter/index_add, cuDNN's benchmarked convolution algorithms)
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
+    try:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = True
+        torch.backends.cudnn.deterministic = True
+        flags = _node_flags()
+        assert flags["deterministic_algorithms"] is True and flags["deterministic_algorithms_warn_only"] is True
+        assert flags["cudnn.benchmark"] is True and flags["cudnn.deterministic"] is True
+        x = torch.randn(4, 3)
+        index = torch.tensor([0, 2, 0, 1])
+        got = torch.zeros(3, 3, device=device).index_add_(0, index.to(device), x.to(device))
+        assert torch.equal(got.cpu(), torch.zeros(3, 3).index_add_(0, index, x))
+        torch.use_deterministic_algorithms(False)
+        assert _node_flags()["deterministic_algorithms"] is False
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved[2], saved[3]
+    assert _node_flags() == math_mode()

@@ -1,5 +1,5 @@
-"""Math-mode flags follow the program to the node: TF32, float32 matmul precision and
-reduced-precision reductions.
+"""Math-mode flags follow the program to the node: TF32, float32 matmul precision,
+reduced-precision reductions, deterministic algorithms and cuDNN's benchmark/deterministic.
 
 Sits beside ``client.device``. ``torch.backends.cuda.matmul.allow_tf32 = True``,
 ``torch.set_float32_matmul_precision("high")``, ``torch.backends.cudnn.allow_tf32``,
@@ -31,6 +31,12 @@ SETTERS = (
     "_set_cublas_allow_bf16_reduced_precision_reduction",
     "_set_cpu_allow_fp16_reduced_precision_reduction",
     "_set_fp32_precision_setter",  # (backend, op, precision): the torch >= 2.9 API
+    # which kernels run: ``torch.use_deterministic_algorithms`` (recorded as (mode, warn_only)),
+    # ``torch.backends.cudnn.benchmark / deterministic / enabled`` (a CUDA node's convolutions),
+    # ``torch.utils.deterministic.fill_uninitialized_memory``
+    "_set_deterministic_algorithms",
+    "_set_cudnn_benchmark", "_set_cudnn_deterministic", "_set_cudnn_enabled",
+    "_set_deterministic_fill_uninitialized_memory",
 )
 
 _calls: dict[tuple, list] = {}  # flag -> [setter, *args] of its last setting, oldest first
@@ -81,8 +87,10 @@ def install() -> None:
         if original is None:  # (an older torch)
             continue
 
-        def recording(*args, _name=name, _original=original):
-            result = _original(*args)  # torch validates the values, and raises, here
+        def recording(*args, _name=name, _original=original, **kwargs):
+            result = _original(*args, **kwargs)  # torch validates the values, and raises, here
+            if _name == "_set_deterministic_algorithms":
+                args = (bool(args[0]), bool(kwargs.get("warn_only", False)))
             if all(type(a) in (bool, str) for a in args) and len(args) <= 3:
                 _record(_name, args)
             return result

@@ -137,12 +137,22 @@ def _dropout(input, p):
 
 # The math-mode setters a client may replay here (``client/precision.py``): process-global
 # flags deciding how kernels compute (TF32, float32 matmul precision, reduced-precision
-# reductions), applied only while the session's own ops run (``Session._run_op``)
+# reductions, deterministic algorithms, cuDNN's benchmark/deterministic/enabled), applied only
+# while the session's own ops run (``Session._run_op``)
 PRECISION_SETTERS = frozenset({
     "_set_float32_matmul_precision", "_set_cublas_allow_tf32", "_set_cudnn_allow_tf32",
     "_set_cublas_allow_fp16_reduced_precision_reduction", "_set_cublas_allow_bf16_reduced_precision_reduction",
     "_set_cpu_allow_fp16_reduced_precision_reduction", "_set_fp32_precision_setter",
+    "_set_cudnn_benchmark", "_set_cudnn_deterministic", "_set_cudnn_enabled",
+    "_set_deterministic_algorithms", "_set_deterministic_fill_uninitialized_memory",
 })
+
+
+def _call_setter(name: str, args) -> None:
+    if name == "_set_deterministic_algorithms":  # (mode, warn_only): its second is keyword-only
+        getattr(torch._C, name)(args[0], warn_only=bool(args[1]) if len(args) > 1 else False)
+    else:
+        getattr(torch._C, name)(*args)
 
 
 def _precision_defaults() -> tuple:
@@ -156,6 +166,10 @@ def _precision_defaults() -> tuple:
     for name in ("_cublas_allow_fp16_reduced_precision_reduction", "_cublas_allow_bf16_reduced_precision_reduction"):
         value = getattr(c, "_get" + name)()
         calls.append(("_set" + name, *(value if isinstance(value, tuple) else (value,))))
+    calls += [("_set_cudnn_benchmark", c._get_cudnn_benchmark()), ("_set_cudnn_deterministic", c._get_cudnn_deterministic()),
+              ("_set_cudnn_enabled", c._get_cudnn_enabled()),
+              ("_set_deterministic_algorithms", c._get_deterministic_algorithms(), c._get_deterministic_algorithms_warn_only()),
+              ("_set_deterministic_fill_uninitialized_memory", c._get_deterministic_fill_uninitialized_memory())]
     if hasattr(c, "_get_fp32_precision_getter"):
         for backend in ("generic", "cuda", "mkldnn"):
             for op in ("all", "matmul", "conv", "rnn"):
@@ -172,12 +186,11 @@ APPLIED_PRECISION = [()]  # the session calls now in force ((): the defaults)
 
 def apply_precision(calls: tuple) -> None:
     """Put the flags as the defaults followed by ``calls`` (validated by ``_precision``)."""
-    c = torch._C
     try:
         for name, *args in PRECISION_DEFAULTS:
-            getattr(c, name)(*args)
+            _call_setter(name, args)
         for name, *args in calls:
-            getattr(c, name)(*args)
+            _call_setter(name, args)
     finally:
         APPLIED_PRECISION[0] = calls
 
@@ -186,7 +199,11 @@ def math_mode() -> dict:
     """The flags in force, as their Python-level names read them."""
     c = torch._C
     getters = {"float32_matmul_precision": c._get_float32_matmul_precision,
-               "cuda.matmul.allow_tf32": c._get_cublas_allow_tf32, "cudnn.allow_tf32": c._get_cudnn_allow_tf32}
+               "cuda.matmul.allow_tf32": c._get_cublas_allow_tf32, "cudnn.allow_tf32": c._get_cudnn_allow_tf32,
+               "cudnn.benchmark": c._get_cudnn_benchmark, "cudnn.deterministic": c._get_cudnn_deterministic,
+               "cudnn.enabled": c._get_cudnn_enabled, "deterministic_algorithms": c._get_deterministic_algorithms,
+               "deterministic_algorithms_warn_only": c._get_deterministic_algorithms_warn_only,
+               "fill_uninitialized_memory": c._get_deterministic_fill_uninitialized_memory}
     if hasattr(c, "_get_fp32_precision_getter"):
         for backend, op in (("cuda", "matmul"), ("cuda", "conv"), ("mkldnn", "matmul"), ("mkldnn", "conv")):
             getters[f"{backend}.{op}.fp32_precision"] = functools.partial(c._get_fp32_precision_getter, backend, op)
