@@ -10,6 +10,7 @@ _lib.define("min_max(Tensor x) -> (Tensor, Tensor)")
 _lib.define("clamp_inplace(Tensor(a!) x, float bound) -> Tensor(a!)")
 _lib.define("nms_like(Tensor boxes, Tensor scores, float threshold) -> Tensor")
 _lib.define("first_row(Tensor(a) x) -> Tensor(a)")
+_lib.define("scale_all(Tensor[] xs, Tensor? bias, float s) -> Tensor[]")
 
 
 def _nms_like(boxes, scores, threshold):
@@ -23,6 +24,7 @@ _lib.impl("min_max", lambda x: (x.min(0).values, x.max(0).values), "CPU")
 _lib.impl("clamp_inplace", lambda x, bound: x.clamp_(-bound, bound), "CPU")
 _lib.impl("nms_like", _nms_like, "CPU")
 _lib.impl("first_row", lambda x: x[0], "CPU")
+_lib.impl("scale_all", lambda xs, bias, s: [x * s + (0 if bias is None else bias) for x in xs], "CPU")
 
 
 @torch.library.custom_op("gwhost::soft_threshold", mutates_args=(), device_types="cpu")
@@ -74,6 +76,17 @@ def test_several_results_in_place_writes_and_data_dependent_sizes(device):
     scores = torch.rand(10)
     kept = torch.ops.gwhost.nms_like(torch.zeros(10, 4).to(device), scores.to(device), 0.4)
     assert torch.equal(kept.cpu(), _nms_like(torch.zeros(10, 4), scores, 0.4))
+
+
+def test_lists_of_tensors_and_optional_arguments(device):
+    xs = [torch.randn(3), torch.randn(2, 3)]
+    bias = torch.randn(3)
+    got = torch.ops.gwhost.scale_all([x.to(device) for x in xs], bias.to(device), 3.0)
+    expected = torch.ops.gwhost.scale_all(xs, bias, 3.0)
+    assert isinstance(got, list) and all(g.device.type == device.type for g in got)
+    assert all(torch.equal(g.cpu(), e) for g, e in zip(got, expected))
+    got = torch.ops.gwhost.scale_all([x.to(device) for x in xs], None, 0.5)
+    assert all(torch.equal(g.cpu(), x * 0.5) for g, x in zip(got, xs))
 
 
 def test_a_custom_op_with_autograd_trains_through_the_host(device):
