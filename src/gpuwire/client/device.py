@@ -814,7 +814,6 @@ def _call_key(args, kwargs, by_class, by_kind) -> tuple:
     return tuple(key)
 
 
-
 def _has_host_mask(args, kwargs) -> bool:
     """Whether a CPU tensor of a mask dtype is among the arguments. Its values, not only its
     layout, can decide the result's shape (``x[mask]``: ``index`` with a CPU boolean mask,

@@ -39,9 +39,8 @@ class HostPlan:
         self.name = f"{schema.name}.{schema.overload_name}" if schema.overload_name else schema.name
         self.written = [(i, a.name, a.kwarg_only) for i, a in enumerate(schema.arguments)
                         if a.alias_info is not None and a.alias_info.is_write]
-        # a result that aliases an argument: the written argument itself (in place, out=); a
-        # view of an input cannot be made from a host copy
-        self.returns_alias = [r.alias_info is not None for r in schema.returns]
+        # a result aliasing an argument it wrote is that argument (in place, out=); a view of an
+        # input cannot be made from a host copy
         self.views = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
     def __call__(self, op, args, kwargs):
