@@ -163,3 +163,51 @@ def test_processes_that_do_not_use_gpuwire_keep_torch_defaults(monkeypatch):
     staged = "cpu:gloo,cuda:gloo,gpuwire:gpuwire"
     assert [distributed.with_gpuwire(b) for b in (None, "gloo", "nccl")] == [staged] * 3
     assert distributed.with_gpuwire("cpu:gloo,cuda:nccl") == "cpu:gloo,cuda:nccl"  # an explicit map is kept
+
+
+TORCHRUN_SCRIPT = textwrap.dedent("""
+    import os, sys, torch, torch.nn as nn, torch.distributed as dist
+    device_type = sys.argv[1]
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if device_type == "cuda":  # the launcher's convention: local rank i drives cuda:i
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl")
+        ids = [local_rank]
+    else:
+        device, ids = torch.device("cpu"), None
+        dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2)).to(device)
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(7 + dist.get_rank())
+    for _ in range(3):
+        loss = ddp(torch.randn(4, 6, generator=data).to(device)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    where = [torch.cuda.current_device(), torch.cuda.device_count(), str(next(model.parameters()).device)] \\
+        if device_type == "cuda" else [local_rank, 2, f"cuda:{local_rank}"]
+    weights = torch.cat([p.detach().cpu().flatten() for p in model.parameters()])
+    print("RESULT", dist.get_rank(), where, weights.tolist(), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+def test_torchrun_ranks_each_drive_cuda_local_rank_under_gpuwire_run(node, tmp_path):
+    # torchrun (accelerate, deepspeed) gives local rank i the GPU cuda:i: torch.cuda.set_device(
+    # local_rank) and DDP(device_ids=[local_rank]) raised "gpuwire device 1 does not exist"
+    path = tmp_path / "torchrun_ddp.py"
+    path.write_text(TORCHRUN_SCRIPT)
+
+    def torchrun(*prefix, device_type):
+        command = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                   f"--master_port={free_port()}", str(path), device_type]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return sorted(line for line in done.stdout.splitlines() if line.startswith("RESULT"))
+
+    remote = torchrun(sys.executable, "-m", "gpuwire", "run", "--node", node.address, "-q", "--", device_type="cuda")
+    local = torchrun(device_type="cpu")
+    assert len(remote) == 2 and remote == local

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 import time
 import types
@@ -49,14 +50,35 @@ class NotSupportedByGpuwire(RuntimeError):
 
 
 def _map_device(value):
-    """'cuda', 'cuda:0', torch.device('cuda', 0), 0 (as a CUDA index) -> gpuwire device."""
+    """'cuda', 'cuda:0', torch.device('cuda', 0) -> gpuwire device (every index this process
+    may name is its session's device: ``torch_module.VISIBLE_DEVICES``)."""
     if isinstance(value, torch.device):
-        return torch.device(DEVICE_TYPE, value.index or 0) if value.type == "cuda" else value
+        return torch.device(DEVICE_TYPE, _session_index(value.index)) if value.type == "cuda" else value
     if isinstance(value, str):
         if value == "cuda" or value.startswith("cuda:"):
             index = value[5:]
-            return torch.device(DEVICE_TYPE, int(index) if index else 0)
+            return torch.device(DEVICE_TYPE, _session_index(int(index) if index else None))
     return value
+
+
+def _session_index(cuda_index) -> int:
+    from . import torch_module as tm
+    if cuda_index is None or 0 <= cuda_index < tm.VISIBLE_DEVICES:
+        return 0
+    return cuda_index  # (no such device: refused where it is used)
+
+
+def _launcher_devices() -> int:
+    """How many CUDA indices a rank started by a launcher (torchrun, accelerate launch, deepspeed:
+    ``LOCAL_RANK`` set) may name: its launcher gives local rank i the GPU ``cuda:i``
+    (``torch.cuda.set_device(local_rank)``, ``DDP(device_ids=[local_rank])``), and here each rank
+    is a process with a session of its own, so each rank's index is its session's device."""
+    try:
+        rank = int(os.environ["LOCAL_RANK"])
+        size = int(os.environ.get("LOCAL_WORLD_SIZE", rank + 1))
+    except (KeyError, ValueError):
+        return 1
+    return max(1, rank + 1, size)
 
 
 _PYTHON_FUNCTION = types.FunctionType
@@ -267,9 +289,6 @@ class _CUDAGraph:
 def _cuda_functions() -> dict:
     from . import torch_module as tm
 
-    def device_count() -> int:
-        return 1
-
     def mem_get_info(device=None):
         total = int(_remote_info().get("total_memory", 0))
         return max(total - _memory("bytes_in_use"), 0), total
@@ -284,8 +303,8 @@ def _cuda_functions() -> dict:
         "is_initialized": lambda: True,
         "init": lambda: _device.runtime() and None,
         "_lazy_init": lambda: None,
-        "device_count": device_count,
-        "current_device": lambda: 0,
+        "device_count": tm.device_count,
+        "current_device": tm.current_device,
         "set_device": tm.set_device,
         "device": tm.device,
         "device_of": tm.device_of,
@@ -490,10 +509,13 @@ def _patch_autocast() -> None:
 
 
 def _patch_tensor_device() -> None:
+    from . import torch_module as tm
+    current = tm._current  # (the index last set: a rank's tensors say cuda:<its local rank>)
+
     def device(self):
         d = _base_device(self)
         if d.type == DEVICE_TYPE and not getattr(_inside, "depth", 0):
-            return torch.device("cuda", d.index or 0)
+            return torch.device("cuda", d.index or current[0])
         return d
 
     def is_cuda(self):
@@ -747,6 +769,8 @@ def enable() -> None:
         return
     _device.register()
     GPUWIRE = torch.device(DEVICE_TYPE, 0)
+    from . import torch_module as tm
+    tm.VISIBLE_DEVICES = _launcher_devices()
     # ``torch.cuda.random.get_rng_state`` (what the transformers Trainer calls at every checkpoint),
     # ``torch.cuda.memory.mem_get_info`` & co. are the same functions under their submodule's
     # name (and what that submodule's other functions call)

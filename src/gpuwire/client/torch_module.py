@@ -86,20 +86,31 @@ def _is_in_bad_fork() -> bool:
     return False
 
 
+# The device indices this process may name, all of them its session's one device: 1, except
+# under CUDA compatibility in a rank a launcher started (torchrun, accelerate, deepspeed give
+# local rank i the GPU cuda:i: ``cuda_compat.enable``). The index last set is ``current_device``.
+VISIBLE_DEVICES = 1
+_current = [0]
+
+
 def device_count() -> int:
-    return 1
+    return VISIBLE_DEVICES
 
 
 def current_device() -> int:
-    return 0
+    return _current[0]
 
 
 def set_device(index) -> None:
     if isinstance(index, str):
         index = torch.device(index)
     index = index.index if isinstance(index, torch.device) else index
-    if index not in (None, 0, -1):
-        raise ValueError(f"gpuwire device {index} does not exist: this session has one device (index 0)")
+    if index in (None, -1):
+        return
+    if not 0 <= index < VISIBLE_DEVICES:
+        raise ValueError(f"gpuwire device {index} does not exist: this session has one device"
+                         + (" (index 0)" if VISIBLE_DEVICES == 1 else f", visible as indices 0-{VISIBLE_DEVICES - 1}"))
+    _current[0] = index
 
 
 class device:
@@ -110,14 +121,18 @@ class device:
     ``torch.cuda.memory_cached()``, ``torch.cuda.StreamContext``)."""
 
     def __init__(self, index=None):
+        if isinstance(index, (str, torch.device)):
+            index = torch.device(index).index
+        self.prev_idx = current_device()
         set_device(index)
-        self.idx = -1 if index == -1 else 0
-        self.prev_idx = self.idx
+        self.idx = -1 if index == -1 else current_device()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> bool:
+        if self.idx != -1:
+            set_device(self.prev_idx)
         return False
 
 
@@ -126,7 +141,7 @@ class device_of(device):
     this device, a no-op for anything else."""
 
     def __init__(self, obj):
-        super().__init__(0 if isinstance(obj, torch.Tensor) and obj.is_cuda else -1)
+        super().__init__(current_device() if isinstance(obj, torch.Tensor) and obj.is_cuda else -1)
 
 
 def synchronize(device=None) -> None:
