@@ -78,26 +78,36 @@ def _lease_from_pool(pool: str, request: dict, quiet: bool):
     except PoolError as exc:
         raise LaunchError(f"the pool refused the lease: {exc}") from None
     if request.get("gpus", 1) > 1 and not quiet:
-        _say(f"lease {lease.id} has {request['gpus']} GPUs; this program uses the first (one device per session)")
+        _say(f"lease {lease.id} has {request['gpus']} GPUs: the ranks a launcher starts (torchrun, accelerate "
+             f"launch: LOCAL_RANK i) use GPU i; a single process uses the first (one device per session)")
     token_dir = tempfile.mkdtemp(prefix="gpuwire-lease-")
     token_file = os.path.join(token_dir, "token")
 
-    def write_token(token: str) -> None:
-        temporary = token_file + ".tmp"
+    def write_token(token: str, path: str = token_file) -> None:
+        temporary = path + ".tmp"
         with open(temporary, "w") as f:
             f.write(token)
-        os.replace(temporary, token_file)
+        os.replace(temporary, path)
 
-    write_token(lease.token)
+    def write_tokens() -> list:
+        """The lease's token, and one per GPU (``token.<i>``) for a lease of several; what was written."""
+        tokens = [lease.token] + [a.get("token") for a in lease.allocations if len(lease.allocations) > 1]
+        write_token(lease.token)
+        for index, token in enumerate(tokens[1:]):
+            if token:
+                write_token(token, f"{token_file}.{index}")
+        return tokens
+
+    written = write_tokens()
     lease.keep_alive(on_lost=lambda _lease, why: _say(f"lease lost: {why}"))
     stop = threading.Event()
 
     def mirror_tokens() -> None:
-        last = lease.token
+        last = written
         while not stop.wait(0.5):
-            if lease.token and lease.token != last:
-                last = lease.token
-                write_token(last)
+            current = [lease.token] + [a.get("token") for a in lease.allocations if len(lease.allocations) > 1]
+            if lease.token and current != last:
+                last = write_tokens()
 
     threading.Thread(target=mirror_tokens, daemon=True, name="gpuwire-token-mirror").start()
 
@@ -166,6 +176,10 @@ def run(argv: list[str], *, node: str | None, token: str | None, cuda_compat: bo
         env["GPUWIRE_TOKEN_FILE"] = token_file
         # the program's client asks the pool itself for a replacement GPU if its node is lost
         env.update(GPUWIRE_POOL=pool, GPUWIRE_LEASE_ID=lease.id)
+        addresses = [a.get("address") for a in lease.allocations]
+        if len(addresses) > 1 and all(addresses):
+            # one GPU per launcher rank (``client.device.default_node``), token in token.<i>
+            env["GPUWIRE_NODES"] = ",".join(addresses)
     if durability:
         env["GPUWIRE_DURABILITY"] = durability
     env["PYTHONPATH"] = BOOT_DIR + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

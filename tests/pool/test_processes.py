@@ -225,3 +225,37 @@ def test_restart_keeps_tenants_keys_and_nodes(pool_proc, admin):
     names = {t["name"] for t in client.tenants()}
     assert names  # made by earlier tests, before the restart
     assert {"node-a", "node-b"} <= {n["id"] for n in client.nodes()}
+
+
+RANK_JOB = textwrap.dedent("""
+    import os, torch, gpuwire
+    x = torch.ones(64, device="cuda") * (int(os.environ["LOCAL_RANK"]) + 1)
+    print("RANK", os.environ["LOCAL_RANK"], gpuwire.client.device.runtime().address, x.sum().item(), flush=True)
+""")
+
+
+def test_a_lease_of_two_gpus_gives_each_torchrun_rank_its_own_gpu(folder, admin, nodes, make_tenant):
+    # gpuwire run --pool --gpus 2 -- torchrun --nproc_per_node=2: rank i on GPU i of the lease (its
+    # own node here), each with that GPU's token; before, both ranks used the lease's first GPU
+    def both_alive():
+        try:
+            return alive(admin, "node-a") and alive(admin, "node-b")
+        except PoolError:  # (not registered yet)
+            return False
+
+    wait_until(both_alive, timeout=30, what="both nodes")
+    tenant = make_tenant(max_gpus=2)
+    script = os.path.join(folder, "rank_job.py")
+    with open(script, "w") as f:
+        f.write(RANK_JOB)
+    done = subprocess.run(
+        [sys.executable, "-m", "gpuwire", "run", "--pool", admin.url, "--gpus", "2", "--memory", "256MiB",
+         "--", sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         "--master_port=0", script],
+        capture_output=True, text=True, timeout=110,
+        env={**os.environ, "GPUWIRE_API_KEY": tenant.api_key, "GPUWIRE_NODE": ""})
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = sorted(line.split()[1:] for line in done.stdout.splitlines() if line.startswith("RANK"))
+    assert [(rank, total) for rank, _, total in ranks] == [("0", "64.0"), ("1", "128.0")]
+    assert {address for _, address, _ in ranks} == {node.address for node in nodes.values()}
+    assert "LOCAL_RANK i) use GPU i" in done.stderr

@@ -61,13 +61,32 @@ def runtime() -> Runtime:
     return rt
 
 
+def default_node() -> tuple:
+    """(address, token) of this process's node: ``GPUWIRE_NODE`` / ``GPUWIRE_TOKEN``; in a rank a
+    launcher started (``LOCAL_RANK`` i) under a lease of several GPUs (``GPUWIRE_NODES``, set by
+    ``gpuwire run --pool --gpus N``), GPU i mod N of the lease, with its own token file
+    (``GPUWIRE_TOKEN_FILE``.i, renewed by the launcher). The choice is written back to the
+    environment, so the rank's recovery, token refreshes and child processes agree with it."""
+    nodes = [n for n in os.environ.get("GPUWIRE_NODES", "").split(",") if n]
+    rank = os.environ.get("LOCAL_RANK", "")
+    if len(nodes) > 1 and rank.isdigit():
+        index = int(rank) % len(nodes)
+        os.environ["GPUWIRE_NODE"] = nodes[index]
+        token_file = os.environ.get("GPUWIRE_TOKEN_FILE")
+        if token_file and os.path.exists(f"{token_file}.{index}"):
+            os.environ["GPUWIRE_TOKEN_FILE"] = f"{token_file}.{index}"
+            with open(os.environ["GPUWIRE_TOKEN_FILE"]) as f:
+                os.environ["GPUWIRE_TOKEN"] = f.read().strip()
+        os.environ.pop("GPUWIRE_NODES")  # (chosen once: a second call keeps this choice)
+    return os.environ.get("GPUWIRE_NODE"), os.environ.get("GPUWIRE_TOKEN")
+
+
 def _connect_default() -> Runtime:
     global _runtime
     with _runtime_lock:
         if _runtime is not None:
             return _runtime
-        address = os.environ.get("GPUWIRE_NODE")
-        token = os.environ.get("GPUWIRE_TOKEN")
+        address, token = default_node()
         if not address:
             from .embedded import start_embedded_node
             address, token = start_embedded_node()
@@ -117,8 +136,8 @@ def attach(node: str | None = None, *, token: str | None = None) -> Runtime:
             _runtime.close()
             _runtime = None
         if node is None:
-            node = os.environ.get("GPUWIRE_NODE")
-            token = token or os.environ.get("GPUWIRE_TOKEN")
+            node, default_token = default_node()
+            token = token or default_token
         if not node:
             from .embedded import start_embedded_node
             node, token = start_embedded_node()
