@@ -190,7 +190,9 @@ TORCHRUN_SCRIPT = textwrap.dedent("""
     where = [torch.cuda.current_device(), torch.cuda.device_count(), str(next(model.parameters()).device)] \\
         if device_type == "cuda" else [local_rank, 2, f"cuda:{local_rank}"]
     weights = torch.cat([p.detach().cpu().flatten() for p in model.parameters()])
-    print("RESULT", dist.get_rank(), where, weights.tolist(), flush=True)
+    # one write per line: the two ranks share the pipe, unbuffered under gpuwire run
+    sys.stdout.write(f"RESULT {dist.get_rank()} {where} {weights.tolist()}\\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 """)
 

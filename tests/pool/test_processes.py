@@ -228,9 +228,11 @@ def test_restart_keeps_tenants_keys_and_nodes(pool_proc, admin):
 
 
 RANK_JOB = textwrap.dedent("""
-    import os, torch, gpuwire
+    import os, sys, torch, gpuwire
     x = torch.ones(64, device="cuda") * (int(os.environ["LOCAL_RANK"]) + 1)
-    print("RANK", os.environ["LOCAL_RANK"], gpuwire.client.device.runtime().address, x.sum().item(), flush=True)
+    line = f"RANK {os.environ['LOCAL_RANK']} {gpuwire.client.device.runtime().address} {x.sum().item()}"
+    sys.stdout.write(line + chr(10))  # one write: the ranks share an unbuffered pipe
+    sys.stdout.flush()
 """)
 
 
