@@ -89,25 +89,29 @@ def _lease_from_pool(pool: str, request: dict, quiet: bool):
             f.write(token)
         os.replace(temporary, path)
 
-    def write_tokens() -> list:
-        """The lease's token, and one per GPU (``token.<i>``) for a lease of several; what was written."""
-        tokens = [lease.token] + [a.get("token") for a in lease.allocations if len(lease.allocations) > 1]
-        write_token(lease.token)
-        for index, token in enumerate(tokens[1:]):
+    def tokens() -> list:
+        """The lease's token, then one per GPU for a lease of several (``token.<i>``)."""
+        allocations = lease.allocations
+        return [lease.token] + ([a.get("token") for a in allocations] if len(allocations) > 1 else [])
+
+    def write_tokens(current: list) -> None:
+        write_token(current[0])
+        for index, token in enumerate(current[1:]):
             if token:
                 write_token(token, f"{token_file}.{index}")
-        return tokens
 
-    written = write_tokens()
+    written = tokens()
+    write_tokens(written)
     lease.keep_alive(on_lost=lambda _lease, why: _say(f"lease lost: {why}"))
     stop = threading.Event()
 
     def mirror_tokens() -> None:
         last = written
         while not stop.wait(0.5):
-            current = [lease.token] + [a.get("token") for a in lease.allocations if len(lease.allocations) > 1]
-            if lease.token and current != last:
-                last = write_tokens()
+            current = tokens()
+            if current[0] and current != last:
+                write_tokens(current)
+                last = current
 
     threading.Thread(target=mirror_tokens, daemon=True, name="gpuwire-token-mirror").start()
 

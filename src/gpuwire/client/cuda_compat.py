@@ -36,6 +36,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import device as _device
+from . import torch_module as _torch_module
 from .wire import DEVICE_TYPE, on_device
 
 CUDA_RUNTIME_VERSION = "12.8"  # what ``torch.version.cuda`` says under ``gpuwire run`` (see ``enable``)
@@ -62,8 +63,7 @@ def _map_device(value):
 
 
 def _session_index(cuda_index) -> int:
-    from . import torch_module as tm
-    if cuda_index is None or 0 <= cuda_index < tm.VISIBLE_DEVICES:
+    if cuda_index is None or 0 <= cuda_index < _torch_module.VISIBLE_DEVICES:
         return 0
     return cuda_index  # (no such device: refused where it is used)
 
@@ -287,7 +287,7 @@ class _CUDAGraph:
 
 
 def _cuda_functions() -> dict:
-    from . import torch_module as tm
+    tm = _torch_module
 
     def mem_get_info(device=None):
         total = int(_remote_info().get("total_memory", 0))
@@ -509,8 +509,7 @@ def _patch_autocast() -> None:
 
 
 def _patch_tensor_device() -> None:
-    from . import torch_module as tm
-    current = tm._current  # (the index last set: a rank's tensors say cuda:<its local rank>)
+    current = _torch_module._current  # (the index last set: a rank's tensors say cuda:<its local rank>)
 
     def device(self):
         d = _base_device(self)
@@ -769,8 +768,7 @@ def enable() -> None:
         return
     _device.register()
     GPUWIRE = torch.device(DEVICE_TYPE, 0)
-    from . import torch_module as tm
-    tm.VISIBLE_DEVICES = _launcher_devices()
+    _torch_module.VISIBLE_DEVICES = _launcher_devices()
     # ``torch.cuda.random.get_rng_state`` (what the transformers Trainer calls at every checkpoint),
     # ``torch.cuda.memory.mem_get_info`` & co. are the same functions under their submodule's
     # name (and what that submodule's other functions call)

@@ -542,14 +542,9 @@ class MutatingPlan:
         """(shape, strides) of the result of the functional op this single-out= op computes
         (``abs.out`` -> ``abs``), or None."""
         if self.functional is None:
-            schema = op._schema
-            overload = schema.overload_name
-            self.functional = False
-            if len(self.out_args) == 1 and (overload == "out" or overload.endswith("_out")):
-                packet = getattr(aten, schema.name[len("aten::"):])
-                functional = getattr(packet, overload[:-4] if overload.endswith("_out") else "default", None)
-                if functional is not None and not any(a.is_out for a in functional._schema.arguments):
-                    self.functional = FunctionalPlan(functional)
+            found = mirror.functional_overload(op._schema) if len(self.out_args) == 1 else None
+            self.functional = (FunctionalPlan(found[1]) if found is not None
+                               and not any(a.is_out for a in found[1]._schema.arguments) else False)
         if not self.functional:
             return None
         out_names = {name for _, name, _ in self.out_args}
@@ -662,13 +657,7 @@ class FunctionalPlan:
             if isinstance(entry, _MetaEntry):
                 entry.meta_failed = True
             return entry
-        if as_cpu:
-            fix = _CPU_KERNEL_FIXES.get(self.name)
-            if fix is not None:
-                result = fix(args, kwargs, result)
-        if self.name in _PRESERVE_LAYOUT:
-            result = _preserved_layout(args, kwargs, result)
-        return self._entry(result)
+        return self._entry(self._as_the_kernel_gives(args, kwargs, result, as_cpu))
 
     def _compute_as_cpu(self, args, kwargs):
         """Shape inference for a CPU node where meta kernels branch on the device type (eval-mode
@@ -689,14 +678,20 @@ class FunctionalPlan:
             return None
         finally:
             _FAKE_LOG.setLevel(quiet)
-        fix = _CPU_KERNEL_FIXES.get(self.name)
-        if fix is not None:
-            with mode:
+        with mode:
+            return self._entry(self._as_the_kernel_gives(args, kwargs, result, True))
+
+    def _as_the_kernel_gives(self, args, kwargs, result, as_cpu: bool):
+        """``result`` (meta or fake) corrected where the inferring kernel and the real one
+        disagree: the CPU kernel's dtypes and layouts on a CPU node, ``empty_like``'s exact
+        strides on every node."""
+        if as_cpu:
+            fix = _CPU_KERNEL_FIXES.get(self.name)
+            if fix is not None:
                 result = fix(args, kwargs, result)
         if self.name in _PRESERVE_LAYOUT:
-            with mode:
-                result = _preserved_layout(args, kwargs, result)
-        return self._entry(result)
+            result = _preserved_layout(args, kwargs, result)
+        return result
 
     def _entry(self, result):
         specs = []

@@ -41,19 +41,20 @@ class HostPlan:
                         if a.alias_info is not None and a.alias_info.is_write]
         # a result aliasing an argument it wrote is that argument (in place, out=); a view of an
         # input cannot be made from a host copy
-        self.views = any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+        # why it cannot run here, decided once (raised at each call, with the call's stack)
+        self.refusal = None
+        if any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
+            self.refusal = (f"{self.name} returns a view of its input, which gpuwire cannot make for an op "
+                            f"outside aten (a node runs aten ops only, and a host copy is not a view); move its "
+                            f"input to the CPU first, e.g. x.cpu()")
+        elif not any(torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key)
+                     for key in ("CPU", "CompositeExplicitAutograd")):
+            self.refusal = (f"{self.name} has no CPU kernel here to run it with, and a gpuwire node runs aten ops "
+                            f"only; run it on CPU tensors (x.cpu()) and move the result back")
 
     def __call__(self, op, args, kwargs):
-        if self.views:
-            raise NotImplementedError(
-                f"{self.name} returns a view of its input, which gpuwire cannot make for an op outside "
-                f"aten (a node runs aten ops only, and a host copy is not a view); move its input to "
-                f"the CPU first, e.g. x.cpu()")
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU") and not \
-                torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeExplicitAutograd"):
-            raise NotImplementedError(
-                f"{self.name} has no CPU kernel here to run it with, and a gpuwire node runs aten ops only; "
-                f"run it on CPU tensors (x.cpu()) and move the result back")
+        if self.refusal is not None:
+            raise NotImplementedError(self.refusal)
         if self.name not in _announced:
             _announced.add(self.name)
             print(f"gpuwire: {self.name} is not an aten op, which a node does not run: it runs on this "

@@ -78,17 +78,21 @@ def forget_args(rt, args, kwargs) -> None:
                     mirror.pop(item.untyped_storage().data_ptr(), None)
 
 
-def functional_for(schema):
-    """The functional op of ``OPS`` an out= overload computes (``abs.out`` -> ``abs``), or None."""
+def functional_overload(schema):
+    """(qualified name, OpOverload) of the functional op an aten out= overload computes
+    (``abs.out`` -> ``abs``, ``add.Scalar_out`` -> ``add.Scalar``), or None."""
     name, overload = schema.name, schema.overload_name
     if not name.startswith("aten::") or not (overload == "out" or overload.endswith("_out")):
         return None
     base = overload[:-4] if overload.endswith("_out") else ""
-    qualified = f"{name}.{base}" if base else name
-    if qualified not in OPS:
-        return None
-    packet = getattr(torch.ops.aten, name[len("aten::"):])
-    return qualified, getattr(packet, base or "default")
+    functional = getattr(getattr(torch.ops.aten, name[len("aten::"):]), base or "default", None)
+    return (f"{name}.{base}" if base else name, functional) if functional is not None else None
+
+
+def functional_for(schema):
+    """The functional op of ``OPS`` an out= overload computes (``abs.out`` -> ``abs``), or None."""
+    found = functional_overload(schema)
+    return found if found is not None and found[0] in OPS else None
 
 
 def host_out_values(rt, functional, args, kwargs):
