@@ -51,8 +51,9 @@ class Child:
         line = _readline_with_timeout(self.proc.stdout, startup_timeout)
         match = re.search(r"listening on \[?([^\s\]]+)\]?:(\d+)", line or "")
         if not match:
-            self.kill()
+            self.proc.kill()
             rest = self.proc.stderr.read() if self.proc.stderr else ""
+            self.kill()
             raise RuntimeError(f"{what} did not start: printed {line!r}; stderr: {rest[-2000:]}")
         self.banner = line.strip()
         self.host, self.port = match.group(1), int(match.group(2))

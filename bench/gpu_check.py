@@ -5,6 +5,8 @@ node on this machine, runs the same work on the local GPU and through gpuwire ov
 says, section by section, whether the two agree bit for bit. Both sides run the same CUDA kernels
 on the same card, so any difference is gpuwire's (a wrong layout, a lost flag, an RNG stream out of
 step), not rounding. Each section is independent: one that raises is reported and the rest go on.
+The local side runs first, in a child process that never imports gpuwire (PyTorch's autograd
+serves one accelerator per process: pytorch/pytorch#161129), and hands its results over in a file.
 Writes ``gpu_check.json`` (section -> verdict) to ``--out``.
 """
 
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import time
 import traceback
@@ -46,183 +50,234 @@ def _syncer(dev: torch.device):
     return {"cuda": torch.cuda.synchronize, "gpuwire": gpuwire.synchronize}.get(dev.type, lambda: None)
 
 
-def section(name):
-    def wrap(fn):
-        t0 = time.perf_counter()
-        try:
-            verdict = fn()
-        except Exception as exc:  # noqa: BLE001 - report and go on with the next section
-            traceback.print_exc()
-            verdict = f"ERROR {type(exc).__name__}: {exc}"[:500]
-        RESULTS[name] = verdict
-        print(f"[{time.perf_counter() - t0:6.1f} s] {name}: {verdict}", flush=True)
-        return fn
-    return wrap
+CHECKS: dict = {}  # name -> (work(device) -> value on the host, compare(local, remote) -> verdict)
 
 
-def run_checks(remote: torch.device, local: torch.device) -> None:
-    g = torch.Generator().manual_seed(0)
-    x_h = torch.randn(64, 128, generator=g)
-    w_h = torch.randn(128, 96, generator=g)
-    img_h = torch.randn(4, 3, 32, 32, generator=g)
-    k_h = torch.randn(8, 3, 3, 3, generator=g)
-    idx_h = torch.randint(0, 64, (200,), generator=g)
-    ops = {
-        "add": lambda x, w, img, k, idx: x + 1.5,
-        "matmul fp32": lambda x, w, img, k, idx: x @ w,
-        "matmul bf16": lambda x, w, img, k, idx: x.bfloat16() @ w.bfloat16(),
-        "matmul fp16": lambda x, w, img, k, idx: x.half() @ w.half(),
-        "softmax": lambda x, w, img, k, idx: torch.softmax(x, -1),
-        "layer_norm": lambda x, w, img, k, idx: torch.nn.functional.layer_norm(x, (128,)),
-        "conv2d": lambda x, w, img, k, idx: torch.nn.functional.conv2d(img, k, padding=1),
-        "conv2d channels_last": lambda x, w, img, k, idx: torch.nn.functional.conv2d(
-            img.contiguous(memory_format=torch.channels_last), k, padding=1),
-        "sum/mean/var": lambda x, w, img, k, idx: torch.stack([x.sum(0), x.mean(0), x.var(0)]),
-        "cumsum": lambda x, w, img, k, idx: x.cumsum(1),
-        "sort": lambda x, w, img, k, idx: torch.sort(x, 1)[0],
-        "topk": lambda x, w, img, k, idx: torch.topk(x, 5, 1)[1],
-        "gelu tanh": lambda x, w, img, k, idx: torch.nn.functional.gelu(x, approximate="tanh"),
-        "index_select": lambda x, w, img, k, idx: x.index_select(0, idx),
-        "embedding": lambda x, w, img, k, idx: torch.nn.functional.embedding(idx, x),
-        "cross_entropy": lambda x, w, img, k, idx: torch.nn.functional.cross_entropy(x, idx[:64] % 128),
-        "sdpa": lambda x, w, img, k, idx: torch.nn.functional.scaled_dot_product_attention(
-            *(x.view(2, 4, 8, 128),) * 3, is_causal=True),
-        "sdpa bf16": lambda x, w, img, k, idx: torch.nn.functional.scaled_dot_product_attention(
-            *(x.bfloat16().view(2, 4, 8, 128),) * 3, is_causal=True),
-        "fft": lambda x, w, img, k, idx: torch.fft.rfft(x),
-        "linalg.solve": lambda x, w, img, k, idx: torch.linalg.solve(x[:, :64] + 64 * torch.eye(64, device=x.device),
-                                                                     x[:, 64:]),
-        "nonzero": lambda x, w, img, k, idx: (x > 1).nonzero(),
-        "masked_select": lambda x, w, img, k, idx: x[x > 0.5],
-    }
-
-    @section("ops: remote == local, bit for bit")
-    def _ops():
+def _equal_verdict(local, remote):
+    if isinstance(local, dict):
         bad = {}
-        args_l = [t.to(local) for t in (x_h, w_h, img_h, k_h, idx_h)]
-        args_r = [t.to(remote) for t in (x_h, w_h, img_h, k_h, idx_h)]
-        for name, fn in ops.items():
-            try:
-                same, diff = _same(fn(*args_l), fn(*args_r))
-                if not same:
-                    bad[name] = diff
-            except Exception as exc:  # noqa: BLE001
-                bad[name] = f"{type(exc).__name__}: {exc}"[:200]
-        return f"all {len(ops)} equal" if not bad else f"{len(ops) - len(bad)}/{len(ops)} equal; differ: {bad}"
+        for key, value in local.items():
+            same = _same(value, remote.get(key))[0] if isinstance(value, torch.Tensor) else value == remote.get(key)
+            if not same:
+                bad[key] = (_same(value, remote.get(key))[1] if isinstance(value, torch.Tensor)
+                            and isinstance(remote.get(key), torch.Tensor) else (value, remote.get(key)))
+        return f"all {len(local)} equal" if not bad else f"{len(local) - len(bad)}/{len(local)} equal; differ: {bad}"
+    if isinstance(local, list):
+        verdict = [(_same(a, b)[0] if isinstance(a, torch.Tensor) else a == b) for a, b in zip(local, remote)]
+        return "all equal" if all(verdict) and len(local) == len(remote) else f"equal per item: {verdict}"
+    return "equal" if local == remote else f"differ: local {local} remote {remote}"
 
-    @section("layouts: strides of results as local CUDA gives them")
-    def _layouts():
-        a_l = img_h.to(local).contiguous(memory_format=torch.channels_last)
-        a_r = img_h.to(remote).contiguous(memory_format=torch.channels_last)
-        fns = {"relu": torch.relu, "conv": lambda t: torch.nn.functional.conv2d(t, k_h.to(t.device)),
-               "bn": lambda t: torch.nn.functional.batch_norm(t, None, None, training=True),
-               "maxpool": lambda t: torch.nn.functional.max_pool2d(t, 2),
-               "pad": lambda t: torch.nn.functional.pad(t, (1, 1, 1, 1), mode="replicate"),
-               "upsample": lambda t: torch.nn.functional.interpolate(t, scale_factor=2)}
-        bad = {n: (f(a_l).stride(), f(a_r).stride()) for n, f in fns.items() if f(a_l).stride() != f(a_r).stride()}
-        return "all equal" if not bad else f"differ (local, remote): {bad}"
 
-    @section("rng: torch.manual_seed gives local CUDA's streams")
-    def _rng():
-        out = {}
-        for dev in (local, remote):
-            torch.manual_seed(123)
-            out[dev.type] = [torch.randn(1000, device=dev), torch.rand(7, device=dev),
-                             torch.nn.functional.dropout(torch.ones(500, device=dev), 0.3),
-                             torch.randint(0, 100, (50,), device=dev), torch.randperm(40, device=dev)]
-        verdict = [_same(a, b)[0] for a, b in zip(out[local.type], out[remote.type])]
-        return "all equal" if all(verdict) else f"equal per draw (randn, rand, dropout, randint, randperm): {verdict}"
+def _both(local, remote):
+    return {"local": local, "remote": remote}
 
-    @section("training: MLP SGD 20 steps, losses bit for bit")
-    def _mlp():
-        losses = {}
-        for dev in (local, remote):
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Dropout(0.1),
-                                        torch.nn.Linear(256, 10)).to(dev)
-            torch.manual_seed(1)  # the draws after init: on --cpu, init and dropout share one generator
-            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-            xs, ys = x_h.to(dev), (idx_h[:64] % 10).to(dev)
-            losses[dev.type] = []
-            for _ in range(20):
-                loss = torch.nn.functional.cross_entropy(model(xs), ys)
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                losses[dev.type].append(loss.item())
-        return "equal" if losses[local.type] == losses[remote.type] else \
-            f"differ: local {losses[local.type][-3:]} remote {losses[remote.type][-3:]}"
 
-    @section("training: GPT-2 tiny AdamW 5 steps (dropout on), fp32 and bf16 autocast")
-    def _gpt():
-        import transformers
-        from transformers import GPT2Config, GPT2LMHeadModel
-        transformers.logging.set_verbosity_error()
-        cfg = GPT2Config(n_layer=2, n_head=4, n_embd=128, vocab_size=1000, n_positions=128, bos_token_id=0,
-                         eos_token_id=0)
-        ids_h = torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(1))
-        verdicts = {}
-        for amp in (False, True):
-            losses = {}
-            for dev in (local, remote):
-                torch.manual_seed(0)
-                model = GPT2LMHeadModel(cfg).to(dev)
-                torch.manual_seed(1)
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-                ids = ids_h.to(dev)
-                losses[dev.type] = []
-                for _ in range(5):
-                    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
-                        loss = model(ids, labels=ids).loss
-                    opt.zero_grad()
-                    loss.backward()
-                    opt.step()
-                    losses[dev.type].append(loss.item())
-            verdicts["bf16" if amp else "fp32"] = ("equal" if losses[local.type] == losses[remote.type] else
-                                                   f"differ: {losses[local.type]} vs {losses[remote.type]}")
-        return verdicts
+def check(name, compare=_equal_verdict):
+    def register(work):
+        CHECKS[name] = (work, compare)
+        return work
+    return register
 
-    @section("per-op client cost on a CUDA node (x + 1, 1k floats, 5000 streamed)")
-    def _per_op():
-        import gpuwire
-        figures = {}
-        for dev in (local, remote):
-            x = torch.ones(1000, device=dev)
-            for _ in range(200):
-                x + 1
-            sync = _syncer(dev)
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(5000):
-                x + 1
-            sync()
-            figures[dev.type] = round((time.perf_counter() - t0) / 5000 * 1e6, 2)
-        return {f"{k} µs/op": v for k, v in figures.items()}
 
-    @section("bulk: 256 MiB host->device and back, GiB/s")
-    def _bulk():
-        import gpuwire
-        h = torch.randn(64 << 20)
-        figures = {}
-        for dev in (local, remote):
-            sync = _syncer(dev)
-            d = h.to(dev)
-            sync()
-            t0 = time.perf_counter()
-            d = h.to(dev)
-            sync()
-            t1 = time.perf_counter()
-            back = d.cpu()
-            t2 = time.perf_counter()
-            assert torch.equal(back, h)
-            figures[f"{dev.type} h2d"] = round(0.25 / (t1 - t0), 2)
-            figures[f"{dev.type} d2h"] = round(0.25 / (t2 - t1), 2)
-        return figures
+def _run_side(device: torch.device) -> dict:
+    """Every check's work on ``device``: name -> value, or ("error", message)."""
+    values = {}
+    for name, (work, _) in CHECKS.items():
+        try:
+            values[name] = work(device)
+        except Exception as exc:  # noqa: BLE001 - report and go on with the next check
+            traceback.print_exc()
+            values[name] = ("error", f"{type(exc).__name__}: {exc}"[:500])
+    return values
 
-    @section("device facts through gpuwire")
-    def _facts():
-        import gpuwire
-        return {"stats": str(gpuwire.stats())[:300]}
+
+_G = torch.Generator().manual_seed(0)
+X_H = torch.randn(64, 128, generator=_G)
+W_H = torch.randn(128, 96, generator=_G)
+IMG_H = torch.randn(4, 3, 32, 32, generator=_G)
+K_H = torch.randn(8, 3, 3, 3, generator=_G)
+IDX_H = torch.randint(0, 64, (200,), generator=_G)
+F = torch.nn.functional
+
+OPS = {
+    "add": lambda x, w, img, k, idx: x + 1.5,
+    "matmul fp32": lambda x, w, img, k, idx: x @ w,
+    "matmul bf16": lambda x, w, img, k, idx: x.bfloat16() @ w.bfloat16(),
+    "matmul fp16": lambda x, w, img, k, idx: x.half() @ w.half(),
+    "softmax": lambda x, w, img, k, idx: torch.softmax(x, -1),
+    "layer_norm": lambda x, w, img, k, idx: F.layer_norm(x, (128,)),
+    "conv2d": lambda x, w, img, k, idx: F.conv2d(img, k, padding=1),
+    "conv2d channels_last": lambda x, w, img, k, idx: F.conv2d(img.contiguous(memory_format=torch.channels_last), k,
+                                                               padding=1),
+    "sum/mean/var": lambda x, w, img, k, idx: torch.stack([x.sum(0), x.mean(0), x.var(0)]),
+    "cumsum": lambda x, w, img, k, idx: x.cumsum(1),
+    "sort": lambda x, w, img, k, idx: torch.sort(x, 1)[0],
+    "topk": lambda x, w, img, k, idx: torch.topk(x, 5, 1)[1],
+    "gelu tanh": lambda x, w, img, k, idx: F.gelu(x, approximate="tanh"),
+    "index_select": lambda x, w, img, k, idx: x.index_select(0, idx),
+    "embedding": lambda x, w, img, k, idx: F.embedding(idx, x),
+    "cross_entropy": lambda x, w, img, k, idx: F.cross_entropy(x, idx[:64] % 128),
+    "sdpa": lambda x, w, img, k, idx: F.scaled_dot_product_attention(*(x.view(2, 4, 8, 128),) * 3, is_causal=True),
+    "sdpa bf16": lambda x, w, img, k, idx: F.scaled_dot_product_attention(*(x.bfloat16().view(2, 4, 8, 128),) * 3,
+                                                                          is_causal=True),
+    "fft": lambda x, w, img, k, idx: torch.fft.rfft(x),
+    "linalg.solve": lambda x, w, img, k, idx: torch.linalg.solve(x[:, :64] + 64 * torch.eye(64, device=x.device),
+                                                                 x[:, 64:]),
+    "nonzero": lambda x, w, img, k, idx: (x > 1).nonzero(),
+    "masked_select": lambda x, w, img, k, idx: x[x > 0.5],
+}
+
+
+@check("ops: remote == local, bit for bit")
+def _ops(dev):
+    args = [t.to(dev) for t in (X_H, W_H, IMG_H, K_H, IDX_H)]
+    out = {}
+    for name, fn in OPS.items():
+        try:
+            out[name] = _cpu(fn(*args))
+        except Exception as exc:  # noqa: BLE001
+            out[name] = f"{type(exc).__name__}: {exc}"[:200]
+    return out
+
+
+@check("op result strides: as local CUDA gives them")
+def _op_strides(dev):
+    args = [t.to(dev) for t in (X_H, W_H, IMG_H, K_H, IDX_H)]
+    out = {}
+    for name, fn in OPS.items():
+        try:
+            out[name] = fn(*args).stride()
+        except Exception as exc:  # noqa: BLE001
+            out[name] = f"{type(exc).__name__}: {exc}"[:200]
+    return out
+
+
+@check("CNN channels-last: conv/bn/relu/pool, SGD 5 steps (cuDNN deterministic), losses bit for bit")
+def _cnn(dev):
+    torch.backends.cudnn.deterministic = True
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+                                    torch.nn.MaxPool2d(2), torch.nn.Conv2d(16, 8, 3), torch.nn.AdaptiveAvgPool2d(1),
+                                    torch.nn.Flatten(), torch.nn.Linear(8, 10))
+        model = model.to(dev, memory_format=torch.channels_last)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        xs = IMG_H.to(dev).contiguous(memory_format=torch.channels_last)
+        ys = (IDX_H[:4] % 10).to(dev)
+        losses = []
+        for _ in range(5):
+            loss = F.cross_entropy(model(xs), ys)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+    finally:
+        torch.backends.cudnn.deterministic = False
+
+
+LAYOUT_FNS = {
+    "relu": torch.relu,
+    "conv": lambda t: F.conv2d(t, K_H.to(t.device)),
+    "conv, channels-last weight": lambda t: F.conv2d(t.contiguous(), K_H.to(t.device).contiguous(
+        memory_format=torch.channels_last)),
+    "conv backward": lambda t: torch.autograd.grad(F.conv2d(t, K_H.to(t.device)).sum(), t)[0],
+    "bn": lambda t: F.batch_norm(t, None, None, training=True),
+    "maxpool": lambda t: F.max_pool2d(t, 2),
+    "pad": lambda t: F.pad(t, (1, 1, 1, 1), mode="replicate"),
+    "upsample": lambda t: F.interpolate(t, scale_factor=2),
+    "group_norm": lambda t: F.group_norm(t, 1),
+    "adaptive_avg_pool": lambda t: F.adaptive_avg_pool2d(t, 1),
+}
+
+
+@check("layouts: strides of results as local CUDA gives them")
+def _layouts(dev):
+    a = IMG_H.to(dev).contiguous(memory_format=torch.channels_last).requires_grad_()
+    return {name: fn(a).stride() for name, fn in LAYOUT_FNS.items()}
+
+
+@check("rng: torch.manual_seed gives local CUDA's streams")
+def _rng(dev):
+    torch.manual_seed(123)
+    return [_cpu(torch.randn(1000, device=dev)), _cpu(torch.rand(7, device=dev)),
+            _cpu(F.dropout(torch.ones(500, device=dev), 0.3)), _cpu(torch.randint(0, 100, (50,), device=dev)),
+            _cpu(torch.randperm(40, device=dev))]
+
+
+@check("training: MLP SGD 20 steps, losses bit for bit")
+def _mlp(dev):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+                                torch.nn.Linear(256, 10)).to(dev)
+    torch.manual_seed(1)  # the draws after init: on --cpu, init and dropout share one generator
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    xs, ys = X_H.to(dev), (IDX_H[:64] % 10).to(dev)
+    losses = []
+    for _ in range(20):
+        loss = F.cross_entropy(model(xs), ys)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@check("training: GPT-2 tiny AdamW 5 steps (dropout on), fp32 and bf16 autocast")
+def _gpt(dev):
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
+    transformers.logging.set_verbosity_error()
+    cfg = GPT2Config(n_layer=2, n_head=4, n_embd=128, vocab_size=1000, n_positions=128, bos_token_id=0,
+                     eos_token_id=0)
+    ids_h = torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for amp in (False, True):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(cfg).to(dev)
+        torch.manual_seed(1)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        ids = ids_h.to(dev)
+        losses = []
+        for _ in range(5):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+                loss = model(ids, labels=ids).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        out["bf16" if amp else "fp32"] = losses
+    return out
+
+
+@check("per-op cost (x + 1, 1k floats, 5000 streamed, then one sync), µs/op", compare=_both)
+def _per_op(dev):
+    sync = _syncer(dev)
+    x = torch.ones(1000, device=dev)
+    for _ in range(200):
+        x + 1
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(5000):
+        x + 1
+    sync()
+    return round((time.perf_counter() - t0) / 5000 * 1e6, 2)
+
+
+@check("bulk: 256 MiB from pageable host memory to the device and back, GiB/s", compare=_both)
+def _bulk(dev):
+    h = torch.randn(64 << 20)
+    sync = _syncer(dev)
+    d = h.to(dev)
+    sync()
+    t0 = time.perf_counter()
+    d = h.to(dev)
+    sync()
+    t1 = time.perf_counter()
+    back = d.cpu()
+    t2 = time.perf_counter()
+    assert torch.equal(back, h)
+    return {"h2d": round(0.25 / (t1 - t0), 2), "d2h": round(0.25 / (t2 - t1), 2)}
 
 
 def main(argv=None) -> int:
@@ -230,22 +285,42 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--cpu", action="store_true", help="check a CPU node against local CPU instead "
                         "(exercises this script where there is no GPU)")
+    parser.add_argument("--local-side", type=Path, metavar="FILE", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     backend = "cpu" if args.cpu else "cuda"
+    if args.local_side:  # the child: local work only, gpuwire never imported
+        torch.save(_run_side(torch.device(backend)), args.local_side)
+        return 0
     if backend == "cuda" and not torch.cuda.is_available():
         print("gpu_check: this machine has no CUDA GPU; nothing to check", file=sys.stderr)
         return 2
     gpu = torch.cuda.get_device_name(0) if backend == "cuda" else "none (--cpu)"
     print(f"torch {torch.__version__}, {gpu}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    local_file = args.out / "gpu_check.local.pt"
+    t0 = time.perf_counter()
+    child = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--local-side", str(local_file),
+                            *(["--cpu"] if args.cpu else [])], env={**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
+                           cwd=Path(__file__).resolve().parent.parent, timeout=600)
+    if child.returncode != 0:
+        print(f"gpu_check: the local side failed (exit {child.returncode})", file=sys.stderr)
+        return 1
+    local = torch.load(local_file, weights_only=False)
+    local_file.unlink()
+    print(f"[{time.perf_counter() - t0:6.1f} s] local side done", flush=True)
     ctx = Context(quick=False, threads=torch.get_num_threads())
     try:
         ctx.attach(backend=backend)
-        run_checks(torch.device("gpuwire"), torch.device(backend))
+        remote = _run_side(torch.device("gpuwire"))
     finally:
         ctx.kill_all()
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_check.json").write_text(json.dumps({"torch": torch.__version__,
-                                                         "gpu": gpu,
+    for name, (_, compare) in CHECKS.items():
+        a, b = local[name], remote[name]
+        failed = [f"{side}: {v[1]}" for side, v in (("local", a), ("remote", b)) if isinstance(v, tuple) and
+                  len(v) == 2 and v[0] == "error"]
+        RESULTS[name] = "ERROR " + "; ".join(failed) if failed else compare(a, b)
+        print(f"{name}: {RESULTS[name]}", flush=True)
+    (args.out / "gpu_check.json").write_text(json.dumps({"torch": torch.__version__, "gpu": gpu,
                                                          "sections": RESULTS}, indent=1, default=str))
     return 0
 

@@ -64,6 +64,22 @@ def _register_now() -> None:
     autocast.register()
     if os.environ.get("GPUWIRE_CUDA_COMPAT", "0") not in ("", "0"):
         cuda_compat.enable()
+    else:
+        _warn_if_a_local_accelerator()
+
+
+def _warn_if_a_local_accelerator() -> None:
+    """Said once: with gpuwire registered, this process's local GPU can run no backward."""
+    from gpuwire_autoload import local_accelerator
+    local = local_accelerator()
+    if local:
+        import warnings
+        warnings.warn(f"gpuwire: this process also has a local {local} device. PyTorch's autograd serves one "
+                      f"accelerator per process (pytorch/pytorch#161129), and with gpuwire registered backward() "
+                      f"through local {local} tensors fails ('opt_ready_stream && opt_parent_stream INTERNAL "
+                      "ASSERT FAILED'). Train on the local GPU in another process (without gpuwire imported), or "
+                      "run this program under `gpuwire run`, where 'cuda' means the remote GPU.",
+                      RuntimeWarning, stacklevel=3)
 
 
 def _started_as_the_cli() -> bool:

@@ -72,6 +72,10 @@ def test_gpu_benchmark_runs_its_code_path_on_the_cpu_backend():
     assert sum("train step" in label for label in labels) == 2 and any("bf16 autocast" in label for label in labels)
     for figure in result["figures"]:
         assert figure["value"] > 0 and figure["baseline"] > 0, figure
+    # the local side runs in a child process (one accelerator per process in autograd): the same
+    # float32 training there and through gpuwire gives the same losses
+    fp32_step = next(f for f in result["figures"] if "train step" in f["figure"] and "autocast" not in f["figure"])
+    assert fp32_step["note"] == "losses equal local's bit for bit", fp32_step
 
 
 def test_gpuwire_bench_runs_the_suite_from_any_directory(tmp_path):

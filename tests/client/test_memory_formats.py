@@ -212,3 +212,38 @@ def test_batch_norm_gives_cpu_s_layout_for_every_input_layout(device, layout, tr
     cpu, remote = results["cpu"], results[device]
     assert (remote[0], remote[2]) == (cpu[0], cpu[2])
     assert torch.equal(remote[1], cpu[1]) and torch.equal(remote[3], cpu[3]) and torch.equal(remote[4], cpu[4])
+
+
+def test_a_cuda_nodes_convolution_is_declared_in_cudnns_layout():
+    """On a CUDA node a convolution's result has cuDNN's layout: channels-last when the input or
+    the weight is (float32/half/bfloat16, 2-d and 3-d, cuDNN enabled). The meta kernel answers
+    contiguous whatever the layout; before, an H200 node's channels-last net went on contiguous
+    (checked there by bench/gpu_check.py; here the client's rule on meta tensors)."""
+    from gpuwire.client.device import _CUDA_KERNEL_FIXES
+    conv, conv_backward = (_CUDA_KERNEL_FIXES[f"aten::{name}.default"] for name in ("convolution",
+                                                                                    "convolution_backward"))
+    cl, cl3 = torch.channels_last, torch.channels_last_3d
+
+    def forward(x, w):
+        args = (x, w, None, [1] * (w.dim() - 2), [0] * (w.dim() - 2), [1] * (w.dim() - 2), False,
+                [0] * (w.dim() - 2), 1)
+        out = torch.ops.aten.convolution.default(*args)
+        assert out.is_contiguous()  # what the meta kernel says, whatever the layout
+        return conv(args, {}, out)
+
+    x, w = torch.empty(2, 3, 8, 8, device="meta"), torch.empty(4, 3, 3, 3, device="meta")
+    assert forward(x, w).is_contiguous()
+    assert forward(x.contiguous(memory_format=cl), w).is_contiguous(memory_format=cl)
+    assert forward(x, w.contiguous(memory_format=cl)).is_contiguous(memory_format=cl)  # the weight decides too
+    assert forward(x.double(), w.double().contiguous(memory_format=cl)).is_contiguous()  # no NHWC for double
+    x3, w3 = torch.empty(2, 3, 6, 6, 6, device="meta"), torch.empty(4, 3, 3, 3, 3, device="meta")
+    assert forward(x3.contiguous(memory_format=cl3), w3).is_contiguous(memory_format=cl3)
+    with torch.backends.cudnn.flags(enabled=False):  # the native kernels keep contiguous results
+        assert forward(x.contiguous(memory_format=cl), w).is_contiguous()
+
+    x_cl = x.contiguous(memory_format=cl)
+    args = (torch.empty(2, 4, 6, 6, device="meta"), x_cl, w, [4], [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
+            [True, True, True])
+    grad_input, grad_weight, grad_bias = conv_backward(args, {}, torch.ops.aten.convolution_backward.default(*args))
+    assert grad_input.is_contiguous(memory_format=cl) and grad_weight.is_contiguous(memory_format=cl)
+    assert grad_bias.shape == (4,)

@@ -683,12 +683,11 @@ class FunctionalPlan:
 
     def _as_the_kernel_gives(self, args, kwargs, result, as_cpu: bool):
         """``result`` (meta or fake) corrected where the inferring kernel and the real one
-        disagree: the CPU kernel's dtypes and layouts on a CPU node, ``empty_like``'s exact
-        strides on every node."""
-        if as_cpu:
-            fix = _CPU_KERNEL_FIXES.get(self.name)
-            if fix is not None:
-                result = fix(args, kwargs, result)
+        disagree: the CPU kernel's dtypes and layouts on a CPU node, cuDNN's layouts on a CUDA
+        node, ``empty_like``'s exact strides on every node."""
+        fix = (_CPU_KERNEL_FIXES if as_cpu else _CUDA_KERNEL_FIXES).get(self.name)
+        if fix is not None:
+            result = fix(args, kwargs, result)
         if self.name in _PRESERVE_LAYOUT:
             result = _preserved_layout(args, kwargs, result)
         return result
@@ -1656,6 +1655,46 @@ SPECIAL = {
     aten._unsafe_view.default: _local,
     aten.is_pinned.default: _is_pinned,
     aten.record_stream.default: _record_stream,
+}
+
+
+
+def _cudnn_conv_layout(input_slot: int, weight_slot: int, outputs: tuple[int, ...] | None):
+    """A convolution's layout on a CUDA node, as cuDNN gives it (ATen's
+    ``cudnn_conv_suggest_memory_format``): channels-last when the input or the weight is, for
+    2-d and 3-d convolutions in float32, half and bfloat16 with cuDNN enabled. The meta kernel
+    cannot tell the backend and answers contiguous: a channels-last net on a CUDA node then
+    went on in another layout than on a local GPU (seen on an H200: each convolution's result
+    copied into the contiguous layout, and every later op ran in it). ``outputs``: the slots of
+    a result tuple that take the layout (None: the result itself)."""
+    from torch._prims_common import suggest_memory_format
+
+    def fix(args, kwargs, result):
+        x = args[input_slot] if len(args) > input_slot else None
+        w = args[weight_slot] if len(args) > weight_slot else None
+        if (not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or w.dim() not in (4, 5)
+                or x.dim() != w.dim() or not x.numel() or not torch.backends.cudnn.enabled
+                or x.dtype not in (torch.float32, torch.float16, torch.bfloat16)):
+            return result
+        channels_last = torch.channels_last if w.dim() == 4 else torch.channels_last_3d
+        if channels_last not in (suggest_memory_format(x), suggest_memory_format(w)):
+            return result
+
+        def restride(r):
+            if isinstance(r, torch.Tensor) and r.dim() == w.dim():
+                return torch.empty(r.shape, dtype=r.dtype, device=r.device, memory_format=channels_last)
+            return r
+        if outputs is None:
+            return restride(result)
+        return tuple(restride(r) if i in outputs else r for i, r in enumerate(result))
+    return fix
+
+
+# ops whose CUDA kernel's output metadata differs from what the meta kernel gives
+_CUDA_KERNEL_FIXES = {
+    "aten::convolution.default": _cudnn_conv_layout(0, 1, None),
+    # (grad_output, input, weight, ...) -> (grad_input, grad_weight, grad_bias)
+    "aten::convolution_backward.default": _cudnn_conv_layout(1, 2, (0, 1)),
 }
 
 

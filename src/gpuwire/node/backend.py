@@ -58,6 +58,7 @@ class Backend:
 
     def default_generator(self) -> torch.Generator:
         if self.kind == "cuda":
+            torch.cuda.init()  # default_generators stays an empty tuple until CUDA is initialised
             return torch.cuda.default_generators[self.device.index or 0]
         return torch.default_generator
 

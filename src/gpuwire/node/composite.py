@@ -24,6 +24,7 @@ def resolve_aten(name: str):
 
 def _generator_for(device: torch.device) -> torch.Generator:
     if device.type == "cuda":
+        torch.cuda.init()
         return torch.cuda.default_generators[device.index or 0]
     return torch.default_generator
 
