@@ -247,3 +247,17 @@ def test_a_cuda_nodes_convolution_is_declared_in_cudnns_layout():
     grad_input, grad_weight, grad_bias = conv_backward(args, {}, torch.ops.aten.convolution_backward.default(*args))
     assert grad_input.is_contiguous(memory_format=cl) and grad_weight.is_contiguous(memory_format=cl)
     assert grad_bias.shape == (4,)
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (2, 3, 4), (4, 3, 2, 2)])
+def test_nonzero_is_column_major_as_cpu_and_cuda_give_it(shape):
+    """``nonzero``'s (n, ndim) result is laid out column-major by the CPU and CUDA kernels; the
+    node copied it into a row-major one (its size depends on the data: the node's own result
+    comes back, and a dense one now keeps its layout)."""
+    torch.manual_seed(0)
+    x = torch.randn(shape) > 0
+    local = x.nonzero()
+    remote = x.to("gpuwire").nonzero()
+    assert remote.stride() == local.stride() and torch.equal(remote.cpu(), local)
+    for a, b in zip(x.nonzero(as_tuple=True), x.to("gpuwire").nonzero(as_tuple=True)):
+        assert torch.equal(b.cpu(), a)

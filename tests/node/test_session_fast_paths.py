@@ -143,3 +143,24 @@ def test_meta_warm_up_switches_threads_often_only_while_it_runs():
         node_session.torch.empty = real_empty
     assert len(seen) == 1 and abs(seen[0] - node_session.WARM_UP_SWITCH_INTERVAL) < 1e-6  # (microsecond units)
     assert sys.getswitchinterval() == before
+
+
+def test_a_cuda_node_runs_cuda_kernels_and_a_cpu_node_cudas_arithmetic():
+    """A CPU node stands in for CUDA-only kernels (SyncBatchNorm's) with its own; a CUDA node
+    runs CUDA's. A CUDA node instead runs group norm on a contiguous copy of its input, as a CUDA
+    program's ``group_norm`` hands it over (CUDA's kernel refuses channels-last: seen on an H200).
+    The wrapper runs on CPU tensors here; bench/gpu_check.py runs it on a GPU."""
+    cpu, cuda = OpTable("cpu"), OpTable("cuda")
+    assert cuda.resolve("aten::batch_norm_stats") is torch.ops.aten.batch_norm_stats.default
+    assert cpu.resolve("aten::batch_norm_stats") is not torch.ops.aten.batch_norm_stats.default
+    assert cpu.resolve("aten::native_group_norm") is torch.ops.aten.native_group_norm.default
+    group_norm = cuda.resolve("aten::native_group_norm")
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 5, 5).contiguous(memory_format=torch.channels_last)
+    weight, bias = torch.randn(4), torch.randn(4)
+    out, mean, rstd = group_norm(x, weight, bias, 2, 4, 25, 2, 1e-5)
+    expected = torch.ops.aten.native_group_norm.default(x.contiguous(), weight, bias, 2, 4, 25, 2, 1e-5)
+    assert out.is_contiguous() and torch.equal(out, expected[0]) and torch.equal(mean, expected[1])
+    grads = cuda.resolve("aten::native_group_norm_backward")(torch.ones_like(x), x, mean, rstd, weight, 2, 4, 25, 2,
+                                                             [True, True, True])
+    assert grads[0].is_contiguous() and grads[0].shape == x.shape

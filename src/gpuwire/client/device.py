@@ -34,6 +34,7 @@ from .._memory import RecyclingHostTensors, StorageCache
 from . import host_ops, mirror, precision, wire
 from .errors import ConnectionLost
 from .runtime import Runtime
+from ..protocol.codec import dense_layout
 from .wire import CODE_DTYPE, DTYPE_CODE
 
 DEVICE_TYPE = wire.DEVICE_TYPE
@@ -534,7 +535,7 @@ class MutatingPlan:
                 # is channels-last on CPU and CUDA (meta out= kernels resize it contiguous)
                 strides = self._functional_strides(op, args, kwargs)
                 if strides is not None and strides != out.stride() and tuple(shape) == strides[0] \
-                        and _dense(shape, strides[1]):
+                        and dense_layout(shape, strides[1]):
                     out.as_strided_(shape, strides[1])
         return True
 
@@ -567,17 +568,6 @@ class MutatingPlan:
         if self.single:
             return outs[0]
         return outs if outs else None
-
-
-def _dense(shape, strides) -> bool:
-    """Whether ``strides`` lay ``shape`` out without gaps or overlaps (a permuted contiguous
-    layout, as a memory format is)."""
-    expected = 1
-    for size, stride in sorted(zip(shape, strides), key=lambda pair: pair[1]):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _check_not_resized(sources, out_shapes, args, kwargs) -> None:
@@ -1248,7 +1238,7 @@ def _preserved_layout(args, kwargs, result):
     x = args[0] if args else None
     if (not isinstance(x, torch.Tensor) or not isinstance(result, torch.Tensor) or result.shape != x.shape
             or kwargs.get("memory_format", torch.preserve_format) is not torch.preserve_format
-            or result.stride() == x.stride() or not x.numel() or not _dense(x.shape, x.stride())):
+            or result.stride() == x.stride() or not x.numel() or not dense_layout(x.shape, x.stride())):
         return result
     return torch.empty_strided(x.shape, x.stride(), dtype=result.dtype, device=result.device)
 
@@ -1695,6 +1685,9 @@ _CUDA_KERNEL_FIXES = {
     "aten::convolution.default": _cudnn_conv_layout(0, 1, None),
     # (grad_output, input, weight, ...) -> (grad_input, grad_weight, grad_bias)
     "aten::convolution_backward.default": _cudnn_conv_layout(1, 2, (0, 1)),
+    # a CUDA node runs group norm on a contiguous copy of a channels-last input (node/ops.py)
+    "aten::native_group_norm": _contiguous_results,
+    "aten::native_group_norm_backward": _contiguous_results,
 }
 
 

@@ -14,12 +14,12 @@ import torch
 
 
 
-def resolve_aten(name: str):
-    from .ops import OpRefused, _resolve  # ops imports this module
+def resolve_aten(name: str, device_type: str = "cpu"):
+    from .ops import CPU_NODE_KERNELS, CUDA_NODE_KERNELS, OpRefused, _resolve  # ops imports this module
 
     if not isinstance(name, str) or not name.startswith("aten::"):
         raise OpRefused(f"only aten ops can be recomputed, not {name!r}")
-    return _resolve(name)
+    return _resolve(name, CUDA_NODE_KERNELS if device_type == "cuda" else CPU_NODE_KERNELS)
 
 
 def _generator_for(device: torch.device) -> torch.Generator:
@@ -51,8 +51,8 @@ def _rebuild(value, replacements: iter):
 
 def forward_with_rng(name: str, *args):
     """Run op ``name``; also return the generator state from before it ran (for backward)."""
-    op = resolve_aten(name)
     device = next((t.device for t in tensor_leaves(args)), torch.device("cpu"))
+    op = resolve_aten(name, device.type)
     generator = _generator_for(device)
     state = generator.get_state()
     result = op(*args)
@@ -62,7 +62,7 @@ def forward_with_rng(name: str, *args):
 
 def backward_by_recompute(name: str, rng_state: torch.Tensor, grad_outputs: list, *args):
     """Gradients of op ``name`` w.r.t. every tensor in ``args`` (zeros where none flows)."""
-    op = resolve_aten(name)
+    op = resolve_aten(name, rng_state.device.type)
     leaves = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in tensor_leaves(args)]
     rebuilt = _rebuild(args, iter(leaves))
     generator = _generator_for(rng_state.device)

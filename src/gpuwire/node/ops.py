@@ -268,9 +268,9 @@ def _histc_like_cuda(self, bins=100, min=0, max=0, *, out=None):
     return out
 
 
-class _CpuNodeKernel:
-    """An aten op with a different kernel on a CPU node (same schema, so the node's allocation
-    guard treats it as the op itself; on meta tensors it is the op itself)."""
+class _NodeKernel:
+    """An aten op with a different kernel on one kind of node (same schema, so the node's
+    allocation guard treats it as the op itself; on meta tensors it is the op itself)."""
 
     def __init__(self, op, kernel):
         self._schema = op._schema
@@ -381,12 +381,35 @@ _SYNC_BATCH_NORM = {
 # aten ops a node runs with a kernel of its own: CPU kernels that refuse what CUDA's accept
 # (which programs written for CUDA use), results a node cannot store as they are
 CPU_NODE_KERNELS = {
-    **{f"aten::{name}": (lambda name=name, kernel=kernel: _CpuNodeKernel(getattr(torch.ops.aten, name).default, kernel))
+    **{f"aten::{name}": (lambda name=name, kernel=kernel: _NodeKernel(getattr(torch.ops.aten, name).default, kernel))
        for name, kernel in _SYNC_BATCH_NORM.items()},
-    "aten::histc": lambda: _CpuNodeKernel(torch.ops.aten.histc.default, _histc_like_cuda),
-    "aten::histc.out": lambda: _CpuNodeKernel(torch.ops.aten.histc.out, _histc_like_cuda),
-    "aten::_efficientzerotensor": lambda: _CpuNodeKernel(torch.ops.aten._efficientzerotensor.default,
+    "aten::histc": lambda: _NodeKernel(torch.ops.aten.histc.default, _histc_like_cuda),
+    "aten::histc.out": lambda: _NodeKernel(torch.ops.aten.histc.out, _histc_like_cuda),
+    "aten::_efficientzerotensor": lambda: _NodeKernel(torch.ops.aten._efficientzerotensor.default,
                                                          _zeros_for_zero_tensor),
+}
+
+
+def _group_norm_contiguous(input, weight, bias, n, c, hxw, group, eps):
+    """CUDA's group norm takes a contiguous input only (``native_group_norm`` checks it). A CUDA
+    program's ``group_norm`` makes its input contiguous before the call; a PrivateUse1 device's
+    keeps the suggested (channels-last) layout, as on CPU, and the node refused the op."""
+    return torch.ops.aten.native_group_norm.default(input.contiguous(), weight, bias, n, c, hxw, group, eps)
+
+
+def _group_norm_backward_contiguous(grad_out, input, mean, rstd, weight, n, c, hxw, group, output_mask):
+    return torch.ops.aten.native_group_norm_backward.default(grad_out.contiguous(), input.contiguous(), mean, rstd,
+                                                             weight, n, c, hxw, group, output_mask)
+
+
+# aten ops a CUDA node runs with a kernel of its own: calls that a PrivateUse1 device's composite
+# kernels make otherwise than CUDA's
+CUDA_NODE_KERNELS = {
+    "aten::native_group_norm": lambda: _NodeKernel(torch.ops.aten.native_group_norm.default,
+                                                   _group_norm_contiguous),
+    "aten::native_group_norm_backward": lambda: _NodeKernel(torch.ops.aten.native_group_norm_backward.default,
+                                                            _group_norm_backward_contiguous),
+    "aten::_efficientzerotensor": CPU_NODE_KERNELS["aten::_efficientzerotensor"],
 }
 
 
@@ -461,21 +484,22 @@ GPUWIRE_OPS = {
 class OpTable:
     """Resolves op names to callables, with a cache (one dict lookup on the hot path)."""
 
-    def __init__(self):
+    def __init__(self, backend_kind: str = "cpu"):
         self._cache: dict[str, object] = {}
+        self._own_kernels = CUDA_NODE_KERNELS if backend_kind == "cuda" else CPU_NODE_KERNELS
 
     def resolve(self, name: str):
         fn = self._cache.get(name)
         if fn is None:
-            fn = self._cache[name] = _resolve(name)
+            fn = self._cache[name] = _resolve(name, self._own_kernels)
         return fn
 
 
-def _resolve(name: str):
+def _resolve(name: str, own_kernels: dict):
     if name in GPUWIRE_OPS:
         return GPUWIRE_OPS[name]
-    if name in CPU_NODE_KERNELS:
-        return CPU_NODE_KERNELS[name]()
+    if name in own_kernels:
+        return own_kernels[name]()
     namespace, sep, qualified = name.partition("::")
     if not sep or namespace != "aten":
         raise OpRefused(f"op {name!r} is refused: a gpuwire node runs only ops of the aten namespace")

@@ -65,7 +65,7 @@ class NodeServer:
         self.rng = RngOwner(self.backend)
         self.scheduler = FairScheduler()
         self.quantum = 0.005  # seconds of device time a session runs before the scheduler may switch
-        self.ops = OpTable()
+        self.ops = OpTable(self.backend.kind)
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None

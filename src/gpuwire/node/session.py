@@ -24,6 +24,7 @@ import torch
 
 from .._memory import StorageCache
 from ..protocol import codec
+from ..protocol.codec import dense_layout
 from ..protocol.events import (
     Alloc,
     CallSync,
@@ -855,7 +856,11 @@ class Session:
                 value = value.to(self.device)
             if value.device.type == "cpu" and self.device.type != "cpu":
                 value = value.to(self.device)
-            contiguous = value.contiguous() if (value.storage_offset() or not value.is_contiguous()) else value
+            # a dense result that fills its storage keeps its layout (``nonzero``'s is column-major
+            # on CPU and CUDA); others are copied into a contiguous one
+            dense = (not value.storage_offset() and value.untyped_storage().nbytes() == value.numel() *
+                     value.element_size() and dense_layout(value.shape, value.stride()))
+            contiguous = value if dense or value.is_contiguous() and not value.storage_offset() else value.contiguous()
             if contiguous.is_conj() or contiguous.is_neg():
                 contiguous = contiguous.resolve_conj().resolve_neg()
             storage = contiguous.untyped_storage()
@@ -961,8 +966,7 @@ def _apply_thread_count() -> None:
 
 def _dense(t: torch.Tensor) -> bool:
     """Whether ``t`` covers each element of its extent exactly once (any dim order)."""
-    if t.is_contiguous():
-        return True
+    return t.is_contiguous() or dense_layout(t.shape, t.stride())
     expected = 1
     for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
         if size == 1:

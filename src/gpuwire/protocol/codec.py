@@ -100,6 +100,17 @@ def _check_int(value, what: str, low: int, high: int) -> None:
         raise DecodeError(f"{what} must be an integer in [{low}, {high}], got {value!r}")
 
 
+def dense_layout(sizes, strides) -> bool:
+    """Whether ``strides`` lay ``sizes`` out without gaps or overlaps (a permuted contiguous
+    layout, as a memory format is): what a storage of exactly ``numel`` elements can hold."""
+    expected = 1
+    for size, stride in sorted(zip(sizes, strides), key=lambda pair: pair[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _check_dims(sizes, strides) -> None:
     if type(sizes) is not tuple or type(strides) is not tuple or len(sizes) != len(strides):
         raise DecodeError("tensor sizes and strides must be lists of equal length")

@@ -1,0 +1,106 @@
+"""Where a remote training step's time goes: ``python -m bench.gpu_profile [--backend cuda] [--out DIR]``.
+
+Sits beside ``bench.gpu`` (which gives the ratio): it runs the same GPT-2 training step through
+a node on this machine and splits each step into the client's time to issue its ops, the wait
+for the loss, and the CPU time of the client and node processes, with the ops and round trips
+the step costs; then profiles three steps of the client with cProfile. A step whose issue time
+is close to its wall time is bound by the client's per-op cost; one whose node CPU time is, by
+the node's. Writes ``gpu_profile.json`` and ``gpu_profile_<variant>.txt`` (the profile) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .common import Context, cpu_seconds
+from .gpu import GptTrainer
+
+GPT2_SMALL = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, n_positions=1024)
+
+
+def _split_step(trainer: GptTrainer, i: int) -> tuple[float, float]:
+    """(seconds to issue the step's ops, seconds waiting for the loss)."""
+    t0 = time.perf_counter()
+    ids = trainer.batches[i % 2].to(trainer.device)
+    with torch.autocast(trainer.device.type, dtype=torch.bfloat16, enabled=trainer.amp):
+        loss = trainer.model(ids, labels=ids).loss
+    trainer.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    trainer.opt.step()
+    t1 = time.perf_counter()
+    loss.item()
+    return t1 - t0, time.perf_counter() - t1
+
+
+def profile(node, amp: bool, gpt: dict, batch: int, seq: int, steps: int, out: Path) -> dict:
+    import gpuwire
+    trainer = GptTrainer(torch.device("gpuwire"), gpt, batch, seq, amp)
+    for i in range(2):
+        trainer.step(i)
+    before = gpuwire.stats()
+    client0, node0 = time.process_time(), cpu_seconds(node.pid)
+    issue, wait = [], []
+    t0 = time.perf_counter()
+    for i in range(steps):
+        a, b = _split_step(trainer, i)
+        issue.append(a)
+        wait.append(b)
+    wall = (time.perf_counter() - t0) / steps
+    after = gpuwire.stats()
+    figures = {
+        "step ms": round(wall * 1e3, 1),
+        "issue ms (client, until the loss is read)": round(sum(issue) / steps * 1e3, 1),
+        "wait ms (reading the loss)": round(sum(wait) / steps * 1e3, 1),
+        "client CPU ms per step (all threads)": round((time.process_time() - client0) / steps * 1e3, 1),
+        "node CPU ms per step (all threads)": round((cpu_seconds(node.pid) - node0) / steps * 1e3, 1),
+        "ops per step": (after["ops_sent"] - before["ops_sent"]) / steps,
+        "round trips per step": (after["round_trips"] - before["round_trips"]) / steps,
+    }
+    figures["client µs per op issued"] = round(figures["issue ms (client, until the loss is read)"] * 1e3 /
+                                               max(figures["ops per step"], 1), 1)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for i in range(3):
+        trainer.step(i)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(35)
+    (out / f"gpu_profile_{'bf16' if amp else 'fp32'}.txt").write_text(text.getvalue())
+    return figures
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_profile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--small", action="store_true", help="a tiny GPT-2 (exercises this script on a CPU)")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    gpt = dict(n_layer=2, n_head=2, n_embd=64, vocab_size=256, n_positions=64) if args.small else GPT2_SMALL
+    batch, seq = (2, 16) if args.small else (8, 512)
+    ctx = Context(quick=False, threads=torch.get_num_threads())
+    results = {}
+    try:
+        ctx.attach(backend=args.backend)
+        node = ctx.node(args.backend)
+        for amp in (False, True):
+            name = "bf16 autocast" if amp else "fp32"
+            results[name] = profile(node, amp, gpt, batch, seq, 5, args.out)
+            print(name, json.dumps(results[name], ensure_ascii=False), flush=True)
+    finally:
+        ctx.kill_all()
+    (args.out / "gpu_profile.json").write_text(json.dumps(results, indent=1, ensure_ascii=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
