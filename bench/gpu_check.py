@@ -176,6 +176,23 @@ def _cnn(dev):
         torch.backends.cudnn.deterministic = False
 
 
+@check("CNN channels-last: each gradient of one step (cuDNN deterministic), bit for bit")
+def _cnn_grads(dev):
+    torch.backends.cudnn.deterministic = True
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+                                    torch.nn.MaxPool2d(2), torch.nn.Conv2d(16, 8, 3), torch.nn.AdaptiveAvgPool2d(1),
+                                    torch.nn.Flatten(), torch.nn.Linear(8, 10)).to(dev, memory_format=torch.channels_last)
+        xs = IMG_H.to(dev).contiguous(memory_format=torch.channels_last).requires_grad_()
+        F.cross_entropy(model(xs), (IDX_H[:4] % 10).to(dev)).backward()
+        grads = {name: _cpu(p.grad) for name, p in model.named_parameters()}
+        grads.update({f"{name} strides": p.grad.stride() for name, p in model.named_parameters() if p.dim() == 4})
+        return {**grads, "input": _cpu(xs.grad), "input strides": xs.grad.stride()}
+    finally:
+        torch.backends.cudnn.deterministic = False
+
+
 LAYOUT_FNS = {
     "relu": torch.relu,
     "conv": lambda t: F.conv2d(t, K_H.to(t.device)),
@@ -297,17 +314,21 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name(0) if backend == "cuda" else "none (--cpu)"
     print(f"torch {torch.__version__}, {gpu}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    local_file = args.out / "gpu_check.local.pt"
     t0 = time.perf_counter()
-    child = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--local-side", str(local_file),
-                            *(["--cpu"] if args.cpu else [])], env={**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
-                           cwd=Path(__file__).resolve().parent.parent, timeout=600)
-    if child.returncode != 0:
-        print(f"gpu_check: the local side failed (exit {child.returncode})", file=sys.stderr)
-        return 1
-    local = torch.load(local_file, weights_only=False)
-    local_file.unlink()
-    print(f"[{time.perf_counter() - t0:6.1f} s] local side done", flush=True)
+    local_runs = []
+    for run in range(2):  # twice: a check whose local runs differ is not deterministic to begin with
+        local_file = args.out / f"gpu_check.local{run}.pt"
+        child = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--local-side", str(local_file),
+                                *(["--cpu"] if args.cpu else [])],
+                               env={**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
+                               cwd=Path(__file__).resolve().parent.parent, timeout=600)
+        if child.returncode != 0:
+            print(f"gpu_check: the local side failed (exit {child.returncode})", file=sys.stderr)
+            return 1
+        local_runs.append(torch.load(local_file, weights_only=False))
+        local_file.unlink()
+    local = local_runs[0]
+    print(f"[{time.perf_counter() - t0:6.1f} s] local side done (twice)", flush=True)
     ctx = Context(quick=False, threads=torch.get_num_threads())
     try:
         ctx.attach(backend=backend)
@@ -319,6 +340,9 @@ def main(argv=None) -> int:
         failed = [f"{side}: {v[1]}" for side, v in (("local", a), ("remote", b)) if isinstance(v, tuple) and
                   len(v) == 2 and v[0] == "error"]
         RESULTS[name] = "ERROR " + "; ".join(failed) if failed else compare(a, b)
+        if not failed and compare is _equal_verdict and _equal_verdict(a, local_runs[1][name]) != \
+                _equal_verdict(a, a):
+            RESULTS[name] += f" [local runs differ from each other: {_equal_verdict(a, local_runs[1][name])}]"
         print(f"{name}: {RESULTS[name]}", flush=True)
     (args.out / "gpu_check.json").write_text(json.dumps({"torch": torch.__version__, "gpu": gpu,
                                                          "sections": RESULTS}, indent=1, default=str))
