@@ -22,6 +22,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch.utils._python_dispatch
 
 from .common import Context
 
@@ -191,6 +192,84 @@ def _cnn_grads(dev):
         return {**grads, "input": _cpu(xs.grad), "input strides": xs.grad.stride()}
     finally:
         torch.backends.cudnn.deterministic = False
+
+
+class _OpTrace(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every aten op on ``device_type``: its name, result strides and float64 checksum, in order
+    (the client's own meta and host work, which the mode sees too, is left out)."""
+
+    def __init__(self, device_type: str):
+        super().__init__()
+        self.device_type = device_type
+        self.entries = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        first = result[0] if isinstance(result, (tuple, list)) and result else result
+        if isinstance(first, torch.Tensor) and first.device.type != self.device_type:
+            return result
+        if isinstance(first, torch.Tensor) and first.is_floating_point():
+            self.entries.append((str(func), tuple(first.stride()), float(first.detach().double().sum())))
+        elif isinstance(first, torch.Tensor):
+            self.entries.append((str(func), tuple(first.stride()), None))
+        else:
+            self.entries.append((str(func), None, None))
+        return result
+
+
+def _first_divergence(local, remote):
+    """The first op, of those both sides ran (aligned by name: a fused op on one side may be
+    several on the other), whose result differs in strides or checksum."""
+    import difflib
+    matcher = difflib.SequenceMatcher(a=[e[0] for e in local], b=[e[0] for e in remote], autojunk=False)
+    aligned = 0
+    for block in matcher.get_matching_blocks():
+        for i, j in zip(range(block.a, block.a + block.size), range(block.b, block.b + block.size)):
+            a, b = local[i], remote[j]
+            if a[0].startswith(("aten.empty", "aten.new_empty")):
+                a, b = a[:2], b[:2]  # (uninitialised memory)
+            if a != b and not (a[:2] == b[:2] and a[2] != a[2] and b[2] != b[2]):  # (NaN checksums)
+                return (f"{len(local)} vs {len(remote)} ops, {aligned} aligned and equal before: first difference "
+                        f"at local op {i} / remote op {j}: local {a} remote {b}; before it: {local[max(0, i - 3):i]}")
+            aligned += 1
+    return f"all {aligned} aligned ops equal ({len(local)} local, {len(remote)} remote)"
+
+
+@check("trace: a channels-last CNN step and 3 GPT-2 tiny fp32 steps op by op (strides, checksums)",
+       compare=lambda a, b: {k: _first_divergence(a[k], b[k]) for k in a})
+def _trace(dev):
+    out = {}
+    torch.backends.cudnn.deterministic = True
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+                                    torch.nn.MaxPool2d(2), torch.nn.Conv2d(16, 8, 3), torch.nn.AdaptiveAvgPool2d(1),
+                                    torch.nn.Flatten(), torch.nn.Linear(8, 10)).to(dev, memory_format=torch.channels_last)
+        xs = IMG_H.to(dev).contiguous(memory_format=torch.channels_last)
+        ys = (IDX_H[:4] % 10).to(dev)
+        with _OpTrace(dev.type) as trace:
+            F.cross_entropy(model(xs), ys).backward()
+        out["cnn"] = trace.entries
+    finally:
+        torch.backends.cudnn.deterministic = False
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
+    transformers.logging.set_verbosity_error()
+    cfg = GPT2Config(n_layer=2, n_head=4, n_embd=128, vocab_size=1000, n_positions=128, bos_token_id=0,
+                     eos_token_id=0)
+    ids = torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(1)).to(dev)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg).to(dev)
+    torch.manual_seed(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with _OpTrace(dev.type) as trace:
+        for _ in range(3):
+            loss = model(ids, labels=ids).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    out["gpt2"] = trace.entries
+    return out
 
 
 LAYOUT_FNS = {

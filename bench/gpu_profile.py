@@ -3,9 +3,10 @@
 Sits beside ``bench.gpu`` (which gives the ratio): it runs the same GPT-2 training step through
 a node on this machine and splits each step into the client's time to issue its ops, the wait
 for the loss, and the CPU time of the client and node processes, with the ops and round trips
-the step costs; then profiles three steps of the client with cProfile. A step whose issue time
+the step costs; then profiles three steps of the client with cProfile, then five steps of a node's session thread. A step whose issue time
 is close to its wall time is bound by the client's per-op cost; one whose node CPU time is, by
-the node's. Writes ``gpu_profile.json`` and ``gpu_profile_<variant>.txt`` (the profile) to ``--out``.
+the node's. Writes ``gpu_profile.json``, ``gpu_profile_<variant>.txt`` (the client's profile) and
+``gpu_profile_node_fp32.txt`` (the node's) to ``--out``.
 """
 
 from __future__ import annotations
@@ -78,6 +79,35 @@ def profile(node, amp: bool, gpt: dict, batch: int, seq: int, steps: int, out: P
     return figures
 
 
+def profile_node(ctx, backend: str, amp: bool, gpt: dict, batch: int, seq: int, out: Path) -> None:
+    """Three steps against a fresh node whose session thread runs under cProfile."""
+    import os
+
+    import gpuwire
+    gpuwire.detach()
+    directory = out / "node-profile"
+    directory.mkdir(exist_ok=True)
+    os.environ["GPUWIRE_PROFILE_SESSIONS"] = str(directory.resolve())
+    try:
+        node = ctx.node(backend, fresh=True)
+    finally:
+        del os.environ["GPUWIRE_PROFILE_SESSIONS"]
+    gpuwire.attach(node.address)
+    trainer = GptTrainer(torch.device("gpuwire"), gpt, batch, seq, amp)
+    for i in range(5):
+        trainer.step(i)
+    del trainer
+    gpuwire.detach()
+    deadline = time.monotonic() + 30
+    while not list(directory.glob("session-*.prof")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    text = io.StringIO()
+    for path in directory.glob("session-*.prof"):
+        pstats.Stats(str(path), stream=text).sort_stats("tottime").print_stats(40)
+        path.unlink()
+    (out / f"gpu_profile_node_{'bf16' if amp else 'fp32'}.txt").write_text(text.getvalue())
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -96,6 +126,7 @@ def main(argv=None) -> int:
             name = "bf16 autocast" if amp else "fp32"
             results[name] = profile(node, amp, gpt, batch, seq, 5, args.out)
             print(name, json.dumps(results[name], ensure_ascii=False), flush=True)
+        profile_node(ctx, args.backend, False, gpt, batch, seq, args.out)
     finally:
         ctx.kill_all()
     (args.out / "gpu_profile.json").write_text(json.dumps(results, indent=1, ensure_ascii=False))

@@ -71,15 +71,32 @@ def _sdpa_out_shape(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
             out = torch.nn.functional.scaled_dot_product_attention(
                 meta[0], meta[1], meta[2], attn_mask=meta[3], dropout_p=0.0, is_causal=is_causal, scale=scale,
                 enable_gqa=enable_gqa)
-        spec = _device.output_spec(out.shape, out.stride(), out.dtype)
+        strides = tuple(out.stride())
+        if (not _device._infer_as_cpu and tuple(out.shape) == shape and strides == _sdpa_layout("contiguous", shape)
+                and _cuda_takes_efficient_attention(q, k, v)):
+            strides = _sdpa_layout("flash", shape)
+        spec = _device.output_spec(out.shape, strides, out.dtype)
         if out.dtype == q.dtype and tuple(out.shape) == shape and len(_SDPA_FAMILIES) < 4096:
             for kind in ("contiguous", "flash"):
-                if tuple(out.stride()) == _sdpa_layout(kind, shape):
+                if strides == _sdpa_layout(kind, shape):
                     _SDPA_FAMILIES[family] = kind
                     break
     if len(_SDPA_SPECS) < 4096:
         _SDPA_SPECS[key] = spec
     return spec
+
+
+def _cuda_takes_efficient_attention(q, k, v) -> bool:
+    """Whether a CUDA node's SDPA would run the memory-efficient kernel where the meta device
+    takes the math path (meta models the flash kernel only: not float32, not masks). Its output
+    has the flash kernel's (B, L, H, E) memory; declared contiguous, a float32 GPT-2 on an H200
+    went on in another layout than a local run's and rounded differently a few steps later.
+    A call this misjudges costs a copy on the node, as before."""
+    return (q.dtype in (torch.float32, torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype
+            and q.dim() == k.dim() == v.dim() == 4 and q.shape[:2] == k.shape[:2] == v.shape[:2]
+            and q.shape[-1] == k.shape[-1] and q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and q.shape[-2] > 0 and k.shape[-2] > 0
+            and torch.backends.cuda.mem_efficient_sdp_enabled())
 
 
 def _sdpa_layout(kind: str, shape: tuple) -> tuple:

@@ -9,7 +9,9 @@ A session's failure (bad input, protocol error, dropped client) ends only that s
 
 from __future__ import annotations
 
+import functools
 import hmac
+import os
 import logging
 import secrets
 import ssl
@@ -37,6 +39,17 @@ def _keepalive(sock: socket.socket) -> None:
     for name, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
         if hasattr(socket, name):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+def _profiled(serve, directory: str, sock, addr) -> None:
+    """A session's thread under cProfile (GPUWIRE_PROFILE_SESSIONS=DIR, a developer's tool): its
+    statistics go to DIR/session-<client port>.prof when the session ends."""
+    import cProfile
+    profiler = cProfile.Profile()
+    try:
+        profiler.runcall(serve, sock, addr)
+    finally:
+        profiler.dump_stats(os.path.join(directory, f"session-{addr[1]}.prof"))
 
 
 class NodeServer:
@@ -108,7 +121,10 @@ class NodeServer:
                 if self._closing.is_set():
                     break
                 raise
-            thread = threading.Thread(target=self._serve_connection, args=(sock, addr), daemon=True,
+            profile_dir = os.environ.get("GPUWIRE_PROFILE_SESSIONS")
+            serve = functools.partial(_profiled, self._serve_connection, profile_dir) if profile_dir else \
+                self._serve_connection
+            thread = threading.Thread(target=serve, args=(sock, addr), daemon=True,
                                       name=f"gpuwire-session-{addr[0]}:{addr[1]}")
             self._threads.add(thread)
             thread.start()
