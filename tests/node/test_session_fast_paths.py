@@ -164,3 +164,35 @@ def test_a_cuda_node_runs_cuda_kernels_and_a_cpu_node_cudas_arithmetic():
     grads = cuda.resolve("aten::native_group_norm_backward")(torch.ones_like(x), x, mean, rstd, weight, 2, 4, 25, 2,
                                                              [True, True, True])
     assert grads[0].is_contiguous() and grads[0].shape == x.shape
+
+
+def test_a_cuda_nodes_batch_norm_takes_cudnn_where_cuda_would_and_else_the_native_kernel():
+    """On a CUDA node a training batch norm runs cuDNN's kernels where a CUDA program's
+    ``_batch_norm_impl_index`` would (a PrivateUse1 device's picks the native ones, which round
+    otherwise: an H200's CNN gradients were 1e-8 off); where cuDNN cannot run (here: no CUDA) or
+    does not apply, the native kernel gives what it gave before."""
+    from gpuwire.node.ops import _cudnn_takes_batch_norm
+    x, w, b = torch.randn(4, 3, 5, 5), torch.ones(3), torch.zeros(3)
+    mean, var = torch.zeros(3), torch.ones(3)
+    assert _cudnn_takes_batch_norm(x, w, b, mean, var, True, 1e-5)
+    assert _cudnn_takes_batch_norm(x.half(), w, b, mean, var, True, 1e-5)  # half input, float weights (AMP)
+    assert not _cudnn_takes_batch_norm(x, w, b, mean, var, False, 1e-5)  # eval: the native kernel
+    assert not _cudnn_takes_batch_norm(x, None, None, mean, var, True, 1e-5)  # affine=False
+    assert not _cudnn_takes_batch_norm(x, w, b, mean, var, True, 1e-6)  # below cuDNN's smallest epsilon
+    assert not _cudnn_takes_batch_norm(x[:, :, 0, 0], w, b, mean, var, True, 1e-5)  # 2-d input
+    assert not _cudnn_takes_batch_norm(x.bfloat16(), w.bfloat16(), b.bfloat16(), mean, var, True, 1e-5)
+    with torch.backends.cudnn.flags(enabled=False):
+        assert not _cudnn_takes_batch_norm(x, w, b, mean, var, True, 1e-5)
+
+    cuda = OpTable("cuda")
+    m1, v1, m2, v2 = mean.clone(), var.clone(), mean.clone(), var.clone()
+    out, save_mean, save_invstd = cuda.resolve("aten::native_batch_norm")(x, w, b, m1, v1, True, 0.1, 1e-5)
+    expected = torch.ops.aten.native_batch_norm.default(x, w, b, m2, v2, True, 0.1, 1e-5)
+    assert all(torch.equal(a, e) for a, e in zip((out, save_mean, save_invstd), expected))
+    assert torch.equal(m1, m2) and torch.equal(v1, v2)
+    grad = torch.randn_like(x)
+    grads = cuda.resolve("aten::native_batch_norm_backward")(grad, x, w, m1, v1, save_mean, save_invstd, True, 1e-5,
+                                                             [True, True, True])
+    expected = torch.ops.aten.native_batch_norm_backward.default(grad, x, w, m1, v1, save_mean, save_invstd, True,
+                                                                 1e-5, [True, True, True])
+    assert all(torch.equal(a, e) for a, e in zip(grads, expected))

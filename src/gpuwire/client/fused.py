@@ -87,12 +87,13 @@ def _sdpa_out_shape(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 def _cuda_takes_efficient_attention(q, k, v) -> bool:
-    """Whether a CUDA node's SDPA would run the memory-efficient kernel where the meta device
-    takes the math path (meta models the flash kernel only: not float32, not masks). Its output
-    has the flash kernel's (B, L, H, E) memory; declared contiguous, a float32 GPT-2 on an H200
-    went on in another layout than a local run's and rounded differently a few steps later.
-    A call this misjudges costs a copy on the node, as before."""
-    return (q.dtype in (torch.float32, torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype
+    """Whether a CUDA node's SDPA would run the memory-efficient kernel on a float32 call, which
+    the meta device sends down the math path. Its output has (B, L, H, E) memory; declared
+    contiguous, a float32 GPT-2 on an H200 went on in another layout than a local run's and
+    rounded differently a few steps later (with this, its losses equal a local run's). Half and
+    bfloat16 calls keep the meta device's answer, which matched the H200's (cuDNN attention,
+    contiguous). A call this misjudges costs a copy on the node, as before."""
+    return (q.dtype == torch.float32 and k.dtype == v.dtype == q.dtype
             and q.dim() == k.dim() == v.dim() == 4 and q.shape[:2] == k.shape[:2] == v.shape[:2]
             and q.shape[-1] == k.shape[-1] and q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0
             and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and q.shape[-2] > 0 and k.shape[-2] > 0

@@ -402,9 +402,62 @@ def _group_norm_backward_contiguous(grad_out, input, mean, rstd, weight, n, c, h
                                                              weight, n, c, hxw, group, output_mask)
 
 
+# Batch norm in training, as a CUDA program runs it: ``_batch_norm_impl_index`` picks cuDNN's
+# kernels for CUDA tensors and ``native_batch_norm`` for a PrivateUse1 device's, and the two round
+# differently (an H200's channels-last CNN: gradients 1e-8 off a local run's). A CUDA node runs
+# cuDNN's where CUDA's composite would, and keeps each forward's reserve space for its backward,
+# found by the saved mean the backward is handed (held, so its address cannot be reused while
+# kept); a backward whose forward is not kept runs the native kernel, as before.
+_CUDNN_BN_RESERVES: dict = {}  # data_ptr of save_mean -> (save_mean, reserve), oldest first
+_CUDNN_BN_KEPT = 4096
+_CUDNN_BN_MIN_EPS = 1e-5  # CUDNN_BN_MIN_EPSILON
+
+
+def _cudnn_takes_batch_norm(input, weight, bias, running_mean, running_var, training, eps) -> bool:
+    """``_batch_norm_impl_index``'s test for cuDNN in training, for the dtypes it is sure of."""
+    return (training and torch.backends.cudnn.enabled and input.dim() >= 3 and 0 < input.numel() < 2 ** 31 - 1
+            and input.size(0) <= 880801 and eps >= _CUDNN_BN_MIN_EPS
+            and isinstance(weight, torch.Tensor) and isinstance(bias, torch.Tensor)
+            and weight.dtype == torch.float32 and input.dtype in (torch.float32, torch.float16)
+            and (isinstance(running_mean, torch.Tensor) == isinstance(running_var, torch.Tensor)))
+
+
+def _batch_norm_as_cuda(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    if _cudnn_takes_batch_norm(input, weight, bias, running_mean, running_var, training, eps):
+        try:
+            out, save_mean, save_invstd, reserve = torch.ops.aten.cudnn_batch_norm.default(
+                input, weight, bias, running_mean, running_var, training, momentum, eps)
+        except RuntimeError:  # (not a CUDA build, a cuDNN that refuses the call): the native kernel
+            pass
+        else:
+            _CUDNN_BN_RESERVES[save_mean.data_ptr()] = (save_mean, reserve)
+            while len(_CUDNN_BN_RESERVES) > _CUDNN_BN_KEPT:
+                del _CUDNN_BN_RESERVES[next(iter(_CUDNN_BN_RESERVES))]
+            return out, save_mean, save_invstd
+    return torch.ops.aten.native_batch_norm.default(input, weight, bias, running_mean, running_var, training,
+                                                    momentum, eps)
+
+
+def _batch_norm_backward_as_cuda(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train,
+                                 eps, output_mask):
+    kept = _CUDNN_BN_RESERVES.get(save_mean.data_ptr()) if isinstance(save_mean, torch.Tensor) else None
+    if kept is not None and train and list(output_mask) == [True, True, True] and kept[0] is not None \
+            and kept[0].data_ptr() == save_mean.data_ptr() and isinstance(weight, torch.Tensor):
+        from torch._prims_common import suggest_memory_format
+        # (as CUDA's autograd formula hands cuDNN the gradient: in the input's memory format)
+        grad = grad_out.contiguous(memory_format=suggest_memory_format(input))
+        return torch.ops.aten.cudnn_batch_norm_backward.default(input, grad, weight, running_mean, running_var,
+                                                                save_mean, save_invstd, eps, kept[1])
+    return torch.ops.aten.native_batch_norm_backward.default(grad_out, input, weight, running_mean, running_var,
+                                                             save_mean, save_invstd, train, eps, output_mask)
+
+
 # aten ops a CUDA node runs with a kernel of its own: calls that a PrivateUse1 device's composite
 # kernels make otherwise than CUDA's
 CUDA_NODE_KERNELS = {
+    "aten::native_batch_norm": lambda: _NodeKernel(torch.ops.aten.native_batch_norm.default, _batch_norm_as_cuda),
+    "aten::native_batch_norm_backward": lambda: _NodeKernel(torch.ops.aten.native_batch_norm_backward.default,
+                                                            _batch_norm_backward_as_cuda),
     "aten::native_group_norm": lambda: _NodeKernel(torch.ops.aten.native_group_norm.default,
                                                    _group_norm_contiguous),
     "aten::native_group_norm_backward": lambda: _NodeKernel(torch.ops.aten.native_group_norm_backward.default,

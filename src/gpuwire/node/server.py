@@ -49,7 +49,9 @@ def _profiled(serve, directory: str, sock, addr) -> None:
     try:
         profiler.runcall(serve, sock, addr)
     finally:
-        profiler.dump_stats(os.path.join(directory, f"session-{addr[1]}.prof"))
+        path = os.path.join(directory, f"session-{addr[1]}.prof")
+        profiler.dump_stats(path + ".partial")
+        os.replace(path + ".partial", path)  # whole, or not there: a reader polls for it
 
 
 class NodeServer:
