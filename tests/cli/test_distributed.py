@@ -213,3 +213,69 @@ def test_torchrun_ranks_each_drive_cuda_local_rank_under_gpuwire_run(node, tmp_p
     remote = torchrun(sys.executable, "-m", "gpuwire", "run", "--node", node.address, "-q", "--", device_type="cuda")
     local = torchrun(device_type="cpu")
     assert len(remote) == 2 and remote == local
+
+
+FSDP_SCRIPT = textwrap.dedent("""
+    import os, sys, torch, torch.nn as nn, torch.distributed as dist
+    kind = sys.argv[1]
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)).cuda()
+    if kind == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        model = FullyShardedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = torch.Generator().manual_seed(1)  # the same batch on every rank: the gradient is one rank's
+    x, y = torch.randn(8, 32, generator=data).cuda(), torch.randint(0, 4, (8,), generator=data).cuda()
+    losses = []
+    for _ in range(4):
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    sys.stdout.write(f"RESULT {dist.get_rank()} {losses}\\n")
+    sys.stdout.flush()
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.parametrize("kind", ["fsdp1", "fsdp2"])
+def test_fsdp_across_two_ranks_under_gpuwire_run_trains_as_one_process_does(node, tmp_path, kind):
+    """FSDP (``FullyShardedDataParallel`` and FSDP2's ``fully_shard``) shards parameters over the
+    ranks, gathers them for each layer and reduce-scatters the gradients. Both failed before:
+    FSDP frees a flat parameter's memory with ``storage.resize_(0)``, which a Python device could
+    not do; FSDP2's DeviceMesh read the name of a group with no backend ("ProcessGroup name not
+    set"), compared parameters on ``cuda:i`` with an accelerator named otherwise, and reduced its
+    gradients in a backward callback that made tensors on "cuda" outside the compatibility mode.
+    With the same batch on both ranks the averaged gradient is one rank's, exactly: the losses
+    equal one process training alone on the CPU, bit for bit."""
+    import torch
+    path = tmp_path / "fsdp_train.py"
+    path.write_text(FSDP_SCRIPT)
+    command = [sys.executable, "-m", "gpuwire", "run", "--node", node.address, "-q", "--", sys.executable, "-m",
+               "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", str(path), kind]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = sorted(line for line in done.stdout.splitlines() if line.startswith("RESULT"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 32, generator=data), torch.randint(0, 4, (8,), generator=data)
+    expected = []
+    for _ in range(4):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        expected.append(loss.item())
+    assert results == [f"RESULT 0 {expected}", f"RESULT 1 {expected}"]

@@ -473,3 +473,33 @@ def test_conj_physical_in_place_and_zero_gradients(device):
     torch.sgn(r).sum().backward()
     torch.sgn(rd).sum().backward()
     assert torch.equal(rd.grad.cpu(), r.grad)
+
+
+def test_storage_resize_frees_and_brings_back_memory_keeping_its_leading_bytes():
+    """``UntypedStorage.resize_`` on the device (what FSDP does to free a flat parameter between
+    uses): it raised "register PrivateUse1HooksInterface ... resizePrivateUse1Bytes". The storage
+    object and the tensors on it stay; its bytes move to a fresh allocation."""
+    import gpuwire
+    x = torch.arange(10.0, device="gpuwire")
+    view = x[2:5]
+    storage = x.untyped_storage()
+    in_use = gpuwire.client.device.runtime().bytes_in_use
+    storage.resize_(0)
+    assert storage.nbytes() == 0 and gpuwire.client.device.runtime().bytes_in_use == in_use - 40
+    storage.resize_(40)
+    x.copy_(torch.arange(10.0) * 2)
+    assert torch.equal(view.cpu(), torch.tensor([4.0, 6.0, 8.0]))
+    storage.resize_(20)  # shrinking keeps the leading bytes
+    assert torch.equal(torch.empty(0, device="gpuwire").set_(storage, 0, (5,), (1,)).cpu(), torch.arange(5.0) * 2)
+    storage.resize_(48)  # growing too (the rest is zero here; uninitialised on CPU)
+    grown = torch.empty(0, device="gpuwire").set_(storage, 0, (12,), (1,)).cpu()
+    assert torch.equal(grown[:5], torch.arange(5.0) * 2) and grown.shape == (12,)
+    typed = torch.randn(6, device="gpuwire")
+    before = typed.cpu()
+    typed._typed_storage()._resize_(0)
+    typed._typed_storage()._resize_(6)
+    typed.copy_(before.to("gpuwire"))
+    assert torch.equal(typed.cpu(), before)
+    host = torch.ones(3)
+    host.untyped_storage().resize_(8)  # host storages keep torch's own resize
+    assert host.untyped_storage().nbytes() == 8

@@ -613,6 +613,16 @@ def _patch_distributed() -> None:
     if not dist.is_available():
         return
     dist.is_nccl_available = lambda: False
+    # FSDP2 builds its default DeviceMesh on ``torch._C._get_accelerator()`` and then checks that
+    # each parameter is on that device: the parameters say ``cuda:i`` here, so the accelerator
+    # must too (it named the gpuwire device, and every ``fully_shard`` raised)
+    original_accelerator = torch._C._get_accelerator
+
+    def _get_accelerator(*args, **kwargs):
+        device = original_accelerator(*args, **kwargs)
+        return torch.device("cuda", device.index) if device.type == DEVICE_TYPE else device
+
+    torch._C._get_accelerator = _get_accelerator
 
 
 def _patch_data_parallel() -> None:
@@ -696,6 +706,17 @@ def _patch_python_backward() -> None:
         setattr(torch.Tensor, name, functools.wraps(original)(register))
         if original in _USER_FACING:
             _USER_FACING.add(getattr(torch.Tensor, name))
+    # callbacks queued to run at the end of a backward pass (FSDP reduces its gradients in one:
+    # ``torch.empty(..., device="cuda")`` there raised "Could not run 'aten::empty.memory_format'
+    # with arguments from the 'CUDA' backend")
+    from torch.autograd.variable import Variable
+    engine_type = type(Variable._execution_engine)
+
+    class _Engine(engine_type):
+        def queue_callback(self, callback):
+            return super().queue_callback(_with_mode(callback))
+
+    Variable._execution_engine = _Engine()
 
 
 def _patch_cudnn() -> None:

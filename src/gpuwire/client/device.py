@@ -204,6 +204,32 @@ def wrap_storage(rt: Runtime, storage_id: int, nbytes: int, sizes, strides, dtyp
     return t
 
 
+def resize_storage(storage: torch.UntypedStorage, nbytes: int) -> None:
+    """``storage.resize_(nbytes)`` for a remote storage: a fresh remote allocation of ``nbytes``
+    takes the leading bytes of the old one, the storage object (and every tensor on it) moves
+    onto it, and the old one is freed. FSDP frees a flat parameter's memory with ``resize_(0)``
+    between uses and brings it back with ``resize_(n)``."""
+    if nbytes < 0:
+        raise RuntimeError(f"Storage size calculation overflowed with sizes={[nbytes]}")
+    rt = runtime()
+    with rt.lock:
+        old_id, old_nbytes = storage.data_ptr(), storage.nbytes()
+        if nbytes == old_nbytes:
+            return
+        new_id = rt.allocate(nbytes)
+        kept = min(old_nbytes, nbytes)
+        if kept:
+            source = _create_empty((0,), torch.uint8)
+            _set_storage(source, _storage_at(old_id, DEVICE, old_nbytes), 0, (kept,), (1,))
+            target = _create_empty((0,), torch.uint8)
+            _set_storage(target, _storage_at(new_id, DEVICE, nbytes), 0, (kept,), (1,))
+            target.copy_(source)
+        if old_nbytes and nbytes:  # (the swap takes equal sizes or an empty side: go through empty)
+            _swap_data_ptr(storage, _storage_at(0, DEVICE, 0))
+        _swap_data_ptr(storage, _storage_at(new_id, DEVICE, nbytes))
+        rt.retrack(old_id, new_id, storage, nbytes)
+
+
 def new_empty(rt: Runtime, sizes, strides, dtype) -> torch.Tensor:
     """A fresh remote allocation (queued Alloc) and the client tensor on it."""
     nbytes = _storage_nbytes(sizes, strides, dtype.itemsize)

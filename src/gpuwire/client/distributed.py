@@ -58,6 +58,10 @@ class HostStagedGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gpuwire-host-staged/", store), rank, size, timeout)
+        # c10d hands out this object as the whole group (a Python ProcessGroup replaces the one it
+        # was building), and a group's name lives in its backends: with none, ``group_name``
+        # raised "ProcessGroup name not set" (DeviceMesh, hence FSDP2 and DTensor, read it)
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
 
     def size(self) -> int:
         return self._size

@@ -532,6 +532,17 @@ class Runtime:
         if self._allocs_since_scan >= SCAN_EVERY:
             self._collect_garbage()
 
+    def retrack(self, old_id: int, new_id: int, storage, nbytes: int) -> None:
+        """``storage`` moved from remote storage ``old_id`` to ``new_id`` (a resize): free the
+        old one now, track the new one."""
+        ref = self._live.pop(old_id, None)
+        if ref is not None:
+            _free_weak_ref(ref)
+            self.bytes_in_use -= self._live_bytes.pop(old_id, 0)
+            if self._dead is None:
+                self.enqueue(self.conn.send(Free(seq=self.next_seq(), storage_ids=[old_id])))
+        self.track(new_id, storage, nbytes)
+
     def _collect_garbage(self) -> None:
         self._allocs_since_scan = 0
         live = self._live

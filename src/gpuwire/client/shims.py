@@ -9,6 +9,9 @@ original behaviour for everything that is not the gpuwire device, and says why i
 * ``torch.UntypedStorage(n, device="gpuwire")`` (used by ``storage.to``, hence by
   ``torch.load(map_location=...)``) crashes in C++ for a Python backend with no allocator;
   it is routed to a remote allocation.
+* ``UntypedStorage.resize_`` (FSDP frees and re-allocates its flat parameters' storages so)
+  needs a C++ hook a Python backend cannot provide; a remote storage moves to a fresh remote
+  allocation of the new size, keeping its leading bytes, under the same storage object.
 * ``Tensor.pin_memory()`` (used by ``DataLoader(pin_memory=True)``, since torch's current
   accelerator is now gpuwire) needs a pinned allocator hook a Python backend cannot provide.
   Page-locked host memory buys nothing when bytes go through a socket, so it returns the
@@ -120,6 +123,17 @@ def _patch_untyped_storage() -> None:
         return original_new(cls, *args, **kwargs)
 
     torch.UntypedStorage.__new__ = __new__
+    original_resize = torch.UntypedStorage.resize_
+
+    @functools.wraps(original_resize)
+    def resize_(self, size):
+        if self.device.type == DEVICE_TYPE:
+            from . import device as _device
+            _device.resize_storage(self, int(size))
+            return self
+        return original_resize(self, size)
+
+    torch.UntypedStorage.resize_ = resize_
 
 
 class RemoteGenerator(torch._C.Generator):
