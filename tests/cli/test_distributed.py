@@ -216,7 +216,7 @@ def test_torchrun_ranks_each_drive_cuda_local_rank_under_gpuwire_run(node, tmp_p
 
 
 FSDP_SCRIPT = textwrap.dedent("""
-    import os, sys, torch, torch.nn as nn, torch.distributed as dist
+    import hashlib, os, sys, torch, torch.nn as nn, torch.distributed as dist
     kind = sys.argv[1]
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
@@ -242,7 +242,11 @@ FSDP_SCRIPT = textwrap.dedent("""
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    sys.stdout.write(f"RESULT {dist.get_rank()} {losses}\\n")
+    # the trained weights, gathered whole (DTensor's functional collectives under FSDP2)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    digest = hashlib.sha256(torch.cat([v.flatten().cpu() for v in state.values()]).numpy().tobytes()).hexdigest()
+    sys.stdout.write(f"RESULT {dist.get_rank()} {list(state)} {digest} {losses}\\n")
     sys.stdout.flush()
     dist.destroy_process_group()
 """)
@@ -256,8 +260,10 @@ def test_fsdp_across_two_ranks_under_gpuwire_run_trains_as_one_process_does(node
     not do; FSDP2's DeviceMesh read the name of a group with no backend ("ProcessGroup name not
     set"), compared parameters on ``cuda:i`` with an accelerator named otherwise, and reduced its
     gradients in a backward callback that made tensors on "cuda" outside the compatibility mode.
-    With the same batch on both ranks the averaged gradient is one rank's, exactly: the losses
-    equal one process training alone on the CPU, bit for bit."""
+    With the same batch on both ranks the averaged gradient is one rank's, exactly: the losses,
+    and the trained weights gathered whole (``get_model_state_dict(full_state_dict=True)``, which
+    under FSDP2 runs DTensor's functional collectives: "No backend type associated with device
+    type gpuwire" before), equal one process training alone on the CPU, bit for bit."""
     import torch
     path = tmp_path / "fsdp_train.py"
     path.write_text(FSDP_SCRIPT)
@@ -278,4 +284,7 @@ def test_fsdp_across_two_ranks_under_gpuwire_run_trains_as_one_process_does(node
         loss.backward()
         opt.step()
         expected.append(loss.item())
-    assert results == [f"RESULT 0 {expected}", f"RESULT 1 {expected}"]
+    import hashlib
+    names = list(model.state_dict())
+    digest = hashlib.sha256(torch.cat([v.flatten() for v in model.state_dict().values()]).numpy().tobytes()).hexdigest()
+    assert results == [f"RESULT 0 {names} {digest} {expected}", f"RESULT 1 {names} {digest} {expected}"]

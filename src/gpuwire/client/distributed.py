@@ -168,6 +168,58 @@ def _staged_reduce_scatter_tensor(original):
     return reduce_scatter_tensor
 
 
+# ``torch.distributed._functional_collectives`` (DTensor, FSDP2's state dicts, tensor parallelism)
+# call these ops; their kernel looks up the group's backend for the tensor's device, and the
+# gpuwire device has none a collective library can use ("No backend type associated with device
+# type gpuwire"). Here each runs on a host copy, on the group's gloo backend, and the result is
+# uploaded; they complete before returning, so ``wait_tensor`` has nothing to wait for.
+def _functional_on_host(name):
+    op = getattr(torch.ops._c10d_functional, name).default
+    wait = torch.ops._c10d_functional.wait_tensor.default
+
+    def kernel(input, *args):
+        return _upload_like(input, wait(op(input.detach().to("cpu"), *args)))
+    return kernel
+
+
+def _upload_like(device_tensor, host):
+    """``host`` on ``device_tensor``'s device (``.to(t.device)`` would name "cuda" under gpuwire
+    run, which this kernel, below the compatibility mode, must not)."""
+    out = device_tensor.new_empty(host.shape, dtype=host.dtype)
+    with torch.no_grad():
+        out.copy_(host)
+    return out
+
+
+def _reduce_scatter_on_host(input, reduce_op, group_size, group_name):
+    """gloo has no reduce-scatter: reduce everything on the host, keep this rank's part."""
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    reduced = torch.ops._c10d_functional.wait_tensor.default(torch.ops._c10d_functional.all_reduce.default(
+        input.detach().to("cpu"), reduce_op, group_name))
+    return _upload_like(input, reduced.chunk(group_size)[dist.get_rank(group)])
+
+
+def _all_reduce_in_place_on_host(input, reduce_op, group_name):
+    reduced = torch.ops._c10d_functional.wait_tensor.default(torch.ops._c10d_functional.all_reduce.default(
+        input.detach().to("cpu"), reduce_op, group_name))
+    with torch.no_grad():
+        input.copy_(reduced)
+    return input
+
+
+def _register_functional_collectives() -> None:
+    library = torch.library.Library("_c10d_functional", "IMPL")
+    for name in ("all_gather_into_tensor", "all_reduce", "broadcast", "all_to_all_single"):
+        if hasattr(torch.ops._c10d_functional, name):
+            library.impl(name, _functional_on_host(name), "PrivateUse1")
+    library.impl("reduce_scatter_tensor", _reduce_scatter_on_host, "PrivateUse1")
+    if hasattr(torch.ops._c10d_functional, "all_reduce_"):
+        library.impl("all_reduce_", _all_reduce_in_place_on_host, "PrivateUse1")
+    library.impl("wait_tensor", lambda tensor: tensor, "PrivateUse1")
+    _LIBRARIES.append(library)
+
+
+_LIBRARIES: list = []  # (a Library unregisters its kernels when it is collected)
 _installed = False
 
 
@@ -177,6 +229,7 @@ def install() -> None:
     if _installed or not dist.is_available():
         return
     dist.Backend.register_backend(BACKEND, _create, devices=[DEVICE_TYPE])
+    _register_functional_collectives()
     original = dist.init_process_group
 
     @functools.wraps(original)
