@@ -218,11 +218,16 @@ def test_torchrun_ranks_each_drive_cuda_local_rank_under_gpuwire_run(node, tmp_p
 FSDP_SCRIPT = textwrap.dedent("""
     import hashlib, os, sys, torch, torch.nn as nn, torch.distributed as dist
     kind = sys.argv[1]
-    local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl")
+    if kind.endswith("native"):  # the gpuwire device by its own name, gloo for the host
+        import gpuwire
+        device = torch.device("gpuwire")
+        dist.init_process_group("gloo")
+    else:  # a CUDA script under gpuwire run
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl")
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)).cuda()
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)).to(device)
     if kind == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
         model = FullyShardedDataParallel(model)
@@ -234,7 +239,7 @@ FSDP_SCRIPT = textwrap.dedent("""
         fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.Generator().manual_seed(1)  # the same batch on every rank: the gradient is one rank's
-    x, y = torch.randn(8, 32, generator=data).cuda(), torch.randint(0, 4, (8,), generator=data).cuda()
+    x, y = torch.randn(8, 32, generator=data).to(device), torch.randint(0, 4, (8,), generator=data).to(device)
     losses = []
     for _ in range(4):
         loss = nn.functional.cross_entropy(model(x), y)
@@ -252,10 +257,11 @@ FSDP_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("kind", ["fsdp1", "fsdp2"])
+@pytest.mark.parametrize("kind", ["fsdp1", "fsdp2", "fsdp2-native"])
 def test_fsdp_across_two_ranks_under_gpuwire_run_trains_as_one_process_does(node, tmp_path, kind):
-    """FSDP (``FullyShardedDataParallel`` and FSDP2's ``fully_shard``) shards parameters over the
-    ranks, gathers them for each layer and reduce-scatters the gradients. Both failed before:
+    """FSDP (``FullyShardedDataParallel`` and FSDP2's ``fully_shard``; a CUDA script under gpuwire
+    run, and FSDP2 on the gpuwire device by name, which needed ``torch.gpuwire.Stream`` & co.) shards
+    parameters over the ranks, gathers them for each layer and reduce-scatters the gradients. Both failed before:
     FSDP frees a flat parameter's memory with ``storage.resize_(0)``, which a Python device could
     not do; FSDP2's DeviceMesh read the name of a group with no backend ("ProcessGroup name not
     set"), compared parameters on ``cuda:i`` with an accelerator named otherwise, and reduced its
@@ -267,9 +273,12 @@ def test_fsdp_across_two_ranks_under_gpuwire_run_trains_as_one_process_does(node
     import torch
     path = tmp_path / "fsdp_train.py"
     path.write_text(FSDP_SCRIPT)
-    command = [sys.executable, "-m", "gpuwire", "run", "--node", node.address, "-q", "--", sys.executable, "-m",
-               "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", str(path), kind]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+               str(path), kind]
+    if not kind.endswith("native"):
+        command = [sys.executable, "-m", "gpuwire", "run", "--node", node.address, "-q", "--", *command]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "GPUWIRE_NODE": node.address})
     assert done.returncode == 0, done.stderr[-3000:]
     results = sorted(line for line in done.stdout.splitlines() if line.startswith("RESULT"))
     torch.manual_seed(0)

@@ -193,85 +193,9 @@ def _memory(key: str) -> int:
     return int(_device.runtime().query("memory")[key])
 
 
-class Event:
-    """``torch.cuda.Event``. ``record`` waits for the node to finish the work queued so far, so
-    ``elapsed_time`` measures what ran on the node between two records (plus one round trip)."""
-
-    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False, **_):
-        self.enable_timing = enable_timing
-        self._time: float | None = None
-
-    def record(self, stream=None):
-        _device.runtime().synchronize()
-        self._time = time.perf_counter()
-
-    def wait(self, stream=None):
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self):
-        pass
-
-    def elapsed_time(self, end_event: "Event") -> float:
-        if self._time is None or end_event._time is None:
-            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
-        return (end_event._time - self._time) * 1000.0
-
-
-class Stream:
-    """``torch.cuda.Stream``: the node runs a session's ops in order, so every stream is the
-    same stream; waiting and synchronizing behave accordingly."""
-
-    def __init__(self, device=None, priority: int = 0, **_):
-        self.device = torch.device("cuda", 0)
-        self.priority = priority
-        self.cuda_stream = 0
-
-    def wait_stream(self, stream):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-    def record_event(self, event=None):
-        event = event or Event()
-        event.record(self)
-        return event
-
-    def synchronize(self):
-        _device.runtime().synchronize()
-
-    def query(self) -> bool:
-        return True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def __eq__(self, other):
-        return isinstance(other, Stream)
-
-    def __hash__(self):
-        return 0
-
-
-_DEFAULT_STREAM = None
-
-
-def _default_stream(device=None):
-    global _DEFAULT_STREAM
-    if _DEFAULT_STREAM is None:
-        _DEFAULT_STREAM = Stream()
-    return _DEFAULT_STREAM
-
-
-@contextlib.contextmanager
-def _stream_context(stream=None):
-    yield stream
+# (the device module's streams and events: the same objects under torch.cuda)
+Event, Stream = _torch_module.Event, _torch_module.Stream
+_default_stream, _stream_context = _torch_module.current_stream, _torch_module.stream
 
 
 def _unsupported(what: str, instead: str):

@@ -7,8 +7,10 @@ needs the node (seeding before first use is remembered and sent on connect).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
+import time
 import types
 
 import torch
@@ -228,9 +230,102 @@ def get_device_name(device=None) -> str:
     return _device.runtime().device_info.get("name", "gpuwire device")
 
 
+class Event:
+    """``torch.cuda.Event``. ``record`` waits for the node to finish the work queued so far, so
+    ``elapsed_time`` measures what ran on the node between two records (plus one round trip)."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False, **_):
+        self.enable_timing = enable_timing
+        self._time: float | None = None
+
+    def record(self, stream=None):
+        _device.runtime().synchronize()
+        self._time = time.perf_counter()
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end_event: "Event") -> float:
+        if self._time is None or end_event._time is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        return (end_event._time - self._time) * 1000.0
+
+
+class Stream:
+    """``torch.cuda.Stream``: the node runs a session's ops in order, so every stream is the
+    same stream; waiting and synchronizing behave accordingly."""
+
+    def __init__(self, device=None, priority: int = 0, **_):
+        self.priority = priority
+        self.cuda_stream = 0
+
+    @property
+    def device(self) -> torch.device:
+        from . import cuda_compat  # (imports this module)
+        return torch.device("cuda" if cuda_compat.enabled() else "gpuwire", 0)
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def synchronize(self):
+        _device.runtime().synchronize()
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def __eq__(self, other):
+        return isinstance(other, Stream)
+
+    def __hash__(self):
+        return 0
+
+
+_DEFAULT_STREAM = None
+
+
+def current_stream(device=None):
+    global _DEFAULT_STREAM
+    if _DEFAULT_STREAM is None:
+        _DEFAULT_STREAM = Stream()
+    return _DEFAULT_STREAM
+
+
+default_stream = current_stream
+
+
+@contextlib.contextmanager
+def stream(stream=None):
+    yield stream
+
+
+def set_stream(stream) -> None:
+    pass
+
+
 module = types.ModuleType("torch.gpuwire", __doc__)
 for _name, _value in list(globals().items()):
-    if callable(_value) and not _name.startswith("__") and _name not in ("Hooks", "Guard", "types", "torch"):
+    if callable(_value) and not _name.startswith("__") and _name not in ("Hooks", "Guard", "types", "torch",
+                                                                         "contextlib", "time"):
         setattr(module, _name, _value)
 
 
