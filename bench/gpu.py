@@ -77,6 +77,12 @@ class GptTrainer:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
 
     def step(self, i: int) -> tuple[float, float]:
+        """(seconds, loss) of training step i."""
+        issue, wait, loss = self.timed_step(i)
+        return issue + wait, loss
+
+    def timed_step(self, i: int) -> tuple[float, float, float]:
+        """(seconds to issue the step's ops, seconds waiting for the loss, loss)."""
         t0 = time.perf_counter()
         ids = self.batches[i % 2].to(self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
@@ -84,8 +90,9 @@ class GptTrainer:
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         self.opt.step()
+        t1 = time.perf_counter()
         value = loss.item()
-        return time.perf_counter() - t0, value
+        return t1 - t0, time.perf_counter() - t1, value
 
 
 class LocalSide:

@@ -129,6 +129,37 @@ OPS = {
 }
 
 
+def _small_cnn(dev):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+                               torch.nn.MaxPool2d(2), torch.nn.Conv2d(16, 8, 3), torch.nn.AdaptiveAvgPool2d(1),
+                               torch.nn.Flatten(), torch.nn.Linear(8, 10)).to(dev, memory_format=torch.channels_last)
+
+
+def _tiny_gpt2(dev):
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
+    transformers.logging.set_verbosity_error()
+    cfg = GPT2Config(n_layer=2, n_head=4, n_embd=128, vocab_size=1000, n_positions=128, bos_token_id=0,
+                     eos_token_id=0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg).to(dev)
+    torch.manual_seed(1)  # the draws after init: on --cpu, init and dropout share one generator
+    return model, torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(1)).to(dev)
+
+
+def _train(model, loss_of, opt, steps: int, amp: bool = False) -> list:
+    losses = []
+    for _ in range(steps):
+        with torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16, enabled=amp):
+            loss = loss_of(model)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 @check("ops: remote == local, bit for bit")
 def _ops(dev):
     args = [t.to(dev) for t in (X_H, W_H, IMG_H, K_H, IDX_H)]
@@ -155,43 +186,22 @@ def _op_strides(dev):
 
 @check("CNN channels-last: conv/bn/relu/pool, SGD 5 steps (cuDNN deterministic), losses bit for bit")
 def _cnn(dev):
-    torch.backends.cudnn.deterministic = True
-    try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
-                                    torch.nn.MaxPool2d(2), torch.nn.Conv2d(16, 8, 3), torch.nn.AdaptiveAvgPool2d(1),
-                                    torch.nn.Flatten(), torch.nn.Linear(8, 10))
-        model = model.to(dev, memory_format=torch.channels_last)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.backends.cudnn.flags(deterministic=True):
+        model = _small_cnn(dev)
         xs = IMG_H.to(dev).contiguous(memory_format=torch.channels_last)
         ys = (IDX_H[:4] % 10).to(dev)
-        losses = []
-        for _ in range(5):
-            loss = F.cross_entropy(model(xs), ys)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return losses
-    finally:
-        torch.backends.cudnn.deterministic = False
+        return _train(model, lambda m: F.cross_entropy(m(xs), ys), torch.optim.SGD(model.parameters(), lr=0.1), 5)
 
 
 @check("CNN channels-last: each gradient of one step (cuDNN deterministic), bit for bit")
 def _cnn_grads(dev):
-    torch.backends.cudnn.deterministic = True
-    try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
-                                    torch.nn.MaxPool2d(2), torch.nn.Conv2d(16, 8, 3), torch.nn.AdaptiveAvgPool2d(1),
-                                    torch.nn.Flatten(), torch.nn.Linear(8, 10)).to(dev, memory_format=torch.channels_last)
+    with torch.backends.cudnn.flags(deterministic=True):
+        model = _small_cnn(dev)
         xs = IMG_H.to(dev).contiguous(memory_format=torch.channels_last).requires_grad_()
         F.cross_entropy(model(xs), (IDX_H[:4] % 10).to(dev)).backward()
         grads = {name: _cpu(p.grad) for name, p in model.named_parameters()}
         grads.update({f"{name} strides": p.grad.stride() for name, p in model.named_parameters() if p.dim() == 4})
         return {**grads, "input": _cpu(xs.grad), "input strides": xs.grad.stride()}
-    finally:
-        torch.backends.cudnn.deterministic = False
 
 
 class _OpTrace(torch.utils._python_dispatch.TorchDispatchMode):
@@ -239,35 +249,15 @@ def _first_divergence(local, remote):
        compare=lambda a, b: {k: _first_divergence(a[k], b[k]) for k in a})
 def _trace(dev):
     out = {}
-    torch.backends.cudnn.deterministic = True
-    try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
-                                    torch.nn.MaxPool2d(2), torch.nn.Conv2d(16, 8, 3), torch.nn.AdaptiveAvgPool2d(1),
-                                    torch.nn.Flatten(), torch.nn.Linear(8, 10)).to(dev, memory_format=torch.channels_last)
+    with torch.backends.cudnn.flags(deterministic=True):
+        model = _small_cnn(dev)
         xs = IMG_H.to(dev).contiguous(memory_format=torch.channels_last)
-        ys = (IDX_H[:4] % 10).to(dev)
         with _OpTrace(dev.type) as trace:
-            F.cross_entropy(model(xs), ys).backward()
+            F.cross_entropy(model(xs), (IDX_H[:4] % 10).to(dev)).backward()
         out["cnn"] = trace.entries
-    finally:
-        torch.backends.cudnn.deterministic = False
-    import transformers
-    from transformers import GPT2Config, GPT2LMHeadModel
-    transformers.logging.set_verbosity_error()
-    cfg = GPT2Config(n_layer=2, n_head=4, n_embd=128, vocab_size=1000, n_positions=128, bos_token_id=0,
-                     eos_token_id=0)
-    ids = torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(1)).to(dev)
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(cfg).to(dev)
-    torch.manual_seed(1)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, ids = _tiny_gpt2(dev)
     with _OpTrace(dev.type) as trace:
-        for _ in range(3):
-            loss = model(ids, labels=ids).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        _train(model, lambda m: m(ids, labels=ids).loss, torch.optim.AdamW(model.parameters(), lr=1e-3), 3)
     out["gpt2"] = trace.entries
     return out
 
@@ -307,42 +297,18 @@ def _mlp(dev):
     model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Dropout(0.1),
                                 torch.nn.Linear(256, 10)).to(dev)
     torch.manual_seed(1)  # the draws after init: on --cpu, init and dropout share one generator
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     xs, ys = X_H.to(dev), (IDX_H[:64] % 10).to(dev)
-    losses = []
-    for _ in range(20):
-        loss = F.cross_entropy(model(xs), ys)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return _train(model, lambda m: F.cross_entropy(m(xs), ys),
+                  torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), 20)
 
 
 @check("training: GPT-2 tiny AdamW 5 steps (dropout on), fp32 and bf16 autocast")
 def _gpt(dev):
-    import transformers
-    from transformers import GPT2Config, GPT2LMHeadModel
-    transformers.logging.set_verbosity_error()
-    cfg = GPT2Config(n_layer=2, n_head=4, n_embd=128, vocab_size=1000, n_positions=128, bos_token_id=0,
-                     eos_token_id=0)
-    ids_h = torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(1))
     out = {}
     for amp in (False, True):
-        torch.manual_seed(0)
-        model = GPT2LMHeadModel(cfg).to(dev)
-        torch.manual_seed(1)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        ids = ids_h.to(dev)
-        losses = []
-        for _ in range(5):
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
-                loss = model(ids, labels=ids).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        out["bf16" if amp else "fp32"] = losses
+        model, ids = _tiny_gpt2(dev)
+        out["bf16" if amp else "fp32"] = _train(model, lambda m: m(ids, labels=ids).loss,
+                                                torch.optim.AdamW(model.parameters(), lr=1e-3), 5, amp)
     return out
 
 

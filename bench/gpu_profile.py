@@ -28,20 +28,6 @@ from .gpu import GptTrainer
 GPT2_SMALL = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, n_positions=1024)
 
 
-def _split_step(trainer: GptTrainer, i: int) -> tuple[float, float]:
-    """(seconds to issue the step's ops, seconds waiting for the loss)."""
-    t0 = time.perf_counter()
-    ids = trainer.batches[i % 2].to(trainer.device)
-    with torch.autocast(trainer.device.type, dtype=torch.bfloat16, enabled=trainer.amp):
-        loss = trainer.model(ids, labels=ids).loss
-    trainer.opt.zero_grad(set_to_none=True)
-    loss.backward()
-    trainer.opt.step()
-    t1 = time.perf_counter()
-    loss.item()
-    return t1 - t0, time.perf_counter() - t1
-
-
 def profile(node, amp: bool, gpt: dict, batch: int, seq: int, steps: int, out: Path) -> dict:
     import gpuwire
     trainer = GptTrainer(torch.device("gpuwire"), gpt, batch, seq, amp)
@@ -52,7 +38,7 @@ def profile(node, amp: bool, gpt: dict, batch: int, seq: int, steps: int, out: P
     issue, wait = [], []
     t0 = time.perf_counter()
     for i in range(steps):
-        a, b = _split_step(trainer, i)
+        a, b, _ = trainer.timed_step(i)
         issue.append(a)
         wait.append(b)
     wall = (time.perf_counter() - t0) / steps

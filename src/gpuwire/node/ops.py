@@ -441,8 +441,7 @@ def _batch_norm_as_cuda(input, weight, bias, running_mean, running_var, training
 def _batch_norm_backward_as_cuda(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train,
                                  eps, output_mask):
     kept = _CUDNN_BN_RESERVES.get(save_mean.data_ptr()) if isinstance(save_mean, torch.Tensor) else None
-    if kept is not None and train and list(output_mask) == [True, True, True] and kept[0] is not None \
-            and kept[0].data_ptr() == save_mean.data_ptr() and isinstance(weight, torch.Tensor):
+    if kept is not None and train and list(output_mask) == [True, True, True] and isinstance(weight, torch.Tensor):
         from torch._prims_common import suggest_memory_format
         # (as CUDA's autograd formula hands cuDNN the gradient: in the input's memory format)
         grad = grad_out.contiguous(memory_format=suggest_memory_format(input))
