@@ -297,3 +297,47 @@ def test_fsdp_across_two_ranks_under_gpuwire_run_trains_as_one_process_does(node
     names = list(model.state_dict())
     digest = hashlib.sha256(torch.cat([v.flatten() for v in model.state_dict().values()]).numpy().tobytes()).hexdigest()
     assert results == [f"RESULT 0 {names} {digest} {expected}", f"RESULT 1 {names} {digest} {expected}"]
+
+
+HF_FSDP_SCRIPT = textwrap.dedent("""
+    import os, sys, torch
+    from torch.utils.data import Dataset
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    class Tokens(Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            ids = torch.randint(0, 100, (16,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids}
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=32, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    args = TrainingArguments(output_dir=sys.argv[1], per_device_train_batch_size=4, max_steps=3, report_to=[],
+                             fsdp="full_shard", save_strategy="no", use_cpu=sys.argv[2] == "cpu")
+    result = Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=Tokens()).train()
+    if int(os.environ["RANK"]) == 0:
+        sys.stdout.write(f"RESULT {result.training_loss!r}\\n")
+""")
+
+
+def test_transformers_trainer_with_fsdp_under_gpuwire_run_matches_cpu_gloo(node, tmp_path):
+    """A Hugging Face ``Trainer(fsdp="full_shard")`` script, two ranks under torchrun: accelerate
+    applies FSDP2 to the model while it is on the CPU, moving each parameter with
+    ``param.data = param.to(device)`` ("incompatible tensor type" for the gpuwire device before).
+    Its training loss equals the same ranks' on CPU with gloo, bit for bit."""
+    path = tmp_path / "hf_fsdp.py"
+    path.write_text(HF_FSDP_SCRIPT)
+
+    def torchrun(*prefix, where):
+        command = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                   f"--master_port={free_port()}", str(path), str(tmp_path / where), where]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
+
+    remote = torchrun(sys.executable, "-m", "gpuwire", "run", "--node", node.address, "-q", "--", where="cuda")
+    local = torchrun(where="cpu")
+    assert len(remote) == 1 and remote == local

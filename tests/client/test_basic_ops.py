@@ -503,3 +503,25 @@ def test_storage_resize_frees_and_brings_back_memory_keeping_its_leading_bytes()
     host = torch.ones(3)
     host.untyped_storage().resize_(8)  # host storages keep torch's own resize
     assert host.untyped_storage().nbytes() == 8
+
+
+def test_data_assignment_moves_a_parameter_across_the_boundary_keeping_the_object():
+    """``param.data = param.to(device)`` (FSDP2 moves a CPU model's parameters so; Hugging Face's
+    Trainer with ``fsdp="full_shard"`` goes through it): PyTorch's ``set_data`` raised
+    "incompatible tensor type" for the gpuwire device. The Parameter object, its class and
+    ``requires_grad`` stay, so a module and an optimizer holding it see the moved tensor."""
+    linear = torch.nn.Linear(3, 2)
+    weight = linear.weight
+    expected = weight.detach().clone()
+    weight.data = weight.to("gpuwire")
+    linear.bias.data = linear.bias.to("gpuwire")
+    assert linear.weight is weight and type(weight) is torch.nn.Parameter and weight.requires_grad
+    assert weight.device.type == "gpuwire" and torch.equal(weight.detach().cpu(), expected)
+    linear(torch.ones(1, 3, device="gpuwire")).sum().backward()
+    assert torch.equal(weight.grad.cpu(), torch.ones(2, 3))
+    back = torch.zeros(2, device="gpuwire")
+    back.data = torch.ones(2)  # and back to the host, as set_data moves a CUDA tensor
+    assert back.device.type == "cpu" and torch.equal(back, torch.ones(2))
+    host = torch.zeros(2)
+    host.data = torch.ones(2)  # host to host: torch's own set_data
+    assert torch.equal(host, torch.ones(2))

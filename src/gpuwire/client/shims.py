@@ -12,6 +12,8 @@ original behaviour for everything that is not the gpuwire device, and says why i
 * ``UntypedStorage.resize_`` (FSDP frees and re-allocates its flat parameters' storages so)
   needs a C++ hook a Python backend cannot provide; a remote storage moves to a fresh remote
   allocation of the new size, keeping its leading bytes, under the same storage object.
+* ``t.data = other`` between the host and the device (``set_data`` refuses PrivateUse1) swaps
+  the tensor onto ``other``'s storage, keeping the object.
 * ``Tensor.pin_memory()`` (used by ``DataLoader(pin_memory=True)``, since torch's current
   accelerator is now gpuwire) needs a pinned allocator hook a Python backend cannot provide.
   Page-locked host memory buys nothing when bytes go through a socket, so it returns the
@@ -270,11 +272,40 @@ def _patch_accelerator() -> None:
     torch.accelerator.synchronize = synchronize
 
 
+def _patch_data_assignment() -> None:
+    """``t.data = other`` across the gpuwire boundary (FSDP2 moves a CPU model's parameters so:
+    ``param.data = param.to(device)``): PyTorch's ``set_data`` takes only the devices it lists as
+    dense backends, and raised "incompatible tensor type" for PrivateUse1. There the tensor object
+    takes ``other``'s storage by ``torch.utils.swap_tensors`` instead, keeping its identity, its
+    Parameter class and ``requires_grad``, as ``set_data`` does."""
+    descriptor = torch._C.TensorBase.data
+
+    def get_data(self):
+        return descriptor.__get__(self)
+
+    def set_data(self, value):
+        try:
+            descriptor.__set__(self, value)
+        except RuntimeError as exc:
+            if "incompatible tensor type" not in str(exc) or not isinstance(value, torch.Tensor) \
+                    or not (on_device(self) or on_device(value)):
+                raise
+            replacement = value.detach()
+            if isinstance(self, torch.nn.Parameter):
+                replacement = type(self)(replacement, requires_grad=self.requires_grad)
+            else:
+                replacement.requires_grad_(self.requires_grad)
+            torch.utils.swap_tensors(self, replacement)
+
+    torch.Tensor.data = property(get_data, set_data, doc=descriptor.__doc__)
+
+
 def install() -> None:
     global _installed
     if _installed:
         return
     _patch_untyped_storage()
+    _patch_data_assignment()
     _patch_transformer_encoder()
     _patch_accelerator()
     from . import distributed
