@@ -191,27 +191,37 @@ def _upload_like(device_tensor, host):
     return out
 
 
-def _reduce_scatter_on_host(input, reduce_op, group_size, group_name):
-    """gloo has no reduce-scatter: reduce everything on the host, keep this rank's part."""
-    group = dist.distributed_c10d._resolve_process_group(group_name)
+def _host_all_reduce(input, reduce_op: str, group_name):
+    """A host copy of ``input`` all-reduced over the group (gloo has no "avg": a sum, divided)."""
+    average = reduce_op.lower() == "avg"
     reduced = torch.ops._c10d_functional.wait_tensor.default(torch.ops._c10d_functional.all_reduce.default(
-        input.detach().to("cpu"), reduce_op, group_name))
-    return _upload_like(input, reduced.chunk(group_size)[dist.get_rank(group)])
+        input.detach().to("cpu"), "sum" if average else reduce_op, group_name))
+    if average:
+        reduced /= dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
+    return reduced
+
+
+def _all_reduce_on_host(input, reduce_op, group_name):
+    return _upload_like(input, _host_all_reduce(input, reduce_op, group_name))
 
 
 def _all_reduce_in_place_on_host(input, reduce_op, group_name):
-    reduced = torch.ops._c10d_functional.wait_tensor.default(torch.ops._c10d_functional.all_reduce.default(
-        input.detach().to("cpu"), reduce_op, group_name))
-    with torch.no_grad():
-        input.copy_(reduced)
+    _back([input], [_host_all_reduce(input, reduce_op, group_name)])
     return input
+
+
+def _reduce_scatter_on_host(input, reduce_op, group_size, group_name):
+    """gloo has no reduce-scatter: reduce everything on the host, keep this rank's part."""
+    rank = dist.get_rank(dist.distributed_c10d._resolve_process_group(group_name))
+    return _upload_like(input, _host_all_reduce(input, reduce_op, group_name).chunk(group_size)[rank])
 
 
 def _register_functional_collectives() -> None:
     library = torch.library.Library("_c10d_functional", "IMPL")
-    for name in ("all_gather_into_tensor", "all_reduce", "broadcast", "all_to_all_single"):
+    for name in ("all_gather_into_tensor", "broadcast", "all_to_all_single"):
         if hasattr(torch.ops._c10d_functional, name):
             library.impl(name, _functional_on_host(name), "PrivateUse1")
+    library.impl("all_reduce", _all_reduce_on_host, "PrivateUse1")
     library.impl("reduce_scatter_tensor", _reduce_scatter_on_host, "PrivateUse1")
     if hasattr(torch.ops._c10d_functional, "all_reduce_"):
         library.impl("all_reduce_", _all_reduce_in_place_on_host, "PrivateUse1")
