@@ -31,10 +31,10 @@ import torch
 from torch._C import DispatchKey, DispatchKeySet
 
 from .._memory import RecyclingHostTensors, StorageCache
+from ..protocol.codec import dense_layout
 from . import host_ops, mirror, precision, wire
 from .errors import ConnectionLost
 from .runtime import Runtime
-from ..protocol.codec import dense_layout
 from .wire import CODE_DTYPE, DTYPE_CODE
 
 DEVICE_TYPE = wire.DEVICE_TYPE
@@ -1672,7 +1672,6 @@ SPECIAL = {
     aten.is_pinned.default: _is_pinned,
     aten.record_stream.default: _record_stream,
 }
-
 
 
 def _cudnn_conv_layout(input_slot: int, weight_slot: int, outputs: tuple[int, ...] | None):
