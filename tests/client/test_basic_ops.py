@@ -525,3 +525,8 @@ def test_data_assignment_moves_a_parameter_across_the_boundary_keeping_the_objec
     host = torch.zeros(2)
     host.data = torch.ones(2)  # host to host: torch's own set_data
     assert torch.equal(host, torch.ones(2))
+    pinned = torch.zeros(3, device="gpuwire")
+    view = pinned.view(3)  # a tensor the swap cannot move: the error says what to do instead
+    with pytest.raises(RuntimeError, match=r"incompatible tensor type.*Use `tensor.to\(...\)`"):
+        pinned.data = torch.ones(3)
+    del view

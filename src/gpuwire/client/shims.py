@@ -295,7 +295,13 @@ def _patch_data_assignment() -> None:
                 replacement = type(self)(replacement, requires_grad=self.requires_grad)
             else:
                 replacement.requires_grad_(self.requires_grad)
-            torch.utils.swap_tensors(self, replacement)
+            try:
+                torch.utils.swap_tensors(self, replacement)
+            except RuntimeError as swap_error:
+                raise RuntimeError(
+                    f"{exc} gpuwire moves a tensor between the host and the gpuwire device in place by swapping "
+                    f"it, which this one refuses ({swap_error}). Use `tensor.to(...)` and keep the new tensor, "
+                    "or move the module with `module.to(...)`.") from exc
 
     torch.Tensor.data = property(get_data, set_data, doc=descriptor.__doc__)
 
