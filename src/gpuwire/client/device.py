@@ -219,11 +219,11 @@ def resize_storage(storage: torch.UntypedStorage, nbytes: int) -> None:
         new_id = rt.allocate(nbytes)
         kept = min(old_nbytes, nbytes)
         if kept:
-            source = _create_empty((0,), torch.uint8)
-            _set_storage(source, _storage_at(old_id, DEVICE, old_nbytes), 0, (kept,), (1,))
-            target = _create_empty((0,), torch.uint8)
-            _set_storage(target, _storage_at(new_id, DEVICE, nbytes), 0, (kept,), (1,))
-            target.copy_(source)
+            def leading_bytes(storage_id, size):  # (an untracked view: neither storage is freed by it)
+                view = _create_empty((0,), torch.uint8)
+                _set_storage(view, _storage_at(storage_id, DEVICE, size), 0, (kept,), (1,))
+                return view
+            leading_bytes(new_id, nbytes).copy_(leading_bytes(old_id, old_nbytes))
         if old_nbytes and nbytes:  # (the swap takes equal sizes or an empty side: go through empty)
             _swap_data_ptr(storage, _storage_at(0, DEVICE, 0))
         _swap_data_ptr(storage, _storage_at(new_id, DEVICE, nbytes))

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import functools
 import hmac
-import os
 import logging
+import os
 import secrets
 import ssl
 import socket

@@ -858,9 +858,9 @@ class Session:
                 value = value.to(self.device)
             # a dense result that fills its storage keeps its layout (``nonzero``'s is column-major
             # on CPU and CUDA); others are copied into a contiguous one
-            dense = (not value.storage_offset() and value.untyped_storage().nbytes() == value.numel() *
-                     value.element_size() and dense_layout(value.shape, value.stride()))
-            contiguous = value if dense or value.is_contiguous() and not value.storage_offset() else value.contiguous()
+            keep = not value.storage_offset() and (value.is_contiguous() or _dense(value) and (
+                value.untyped_storage().nbytes() == value.numel() * value.element_size()))
+            contiguous = value if keep else value.contiguous()
             if contiguous.is_conj() or contiguous.is_neg():
                 contiguous = contiguous.resolve_conj().resolve_neg()
             storage = contiguous.untyped_storage()
@@ -967,14 +967,6 @@ def _apply_thread_count() -> None:
 def _dense(t: torch.Tensor) -> bool:
     """Whether ``t`` covers each element of its extent exactly once (any dim order)."""
     return t.is_contiguous() or dense_layout(t.shape, t.stride())
-    expected = 1
-    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _describe(event) -> str:
