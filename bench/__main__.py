@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-BENCHMARKS = ("per_op", "round_trips", "step_ratio", "generate", "bulk", "latency", "tenants", "memory", "gpu", "failover")
+BENCHMARKS = ("per_op", "round_trips", "step_ratio", "issue", "generate", "bulk", "latency", "tenants", "memory", "gpu", "failover")
 
 
 def default_threads() -> int:

@@ -68,6 +68,60 @@ def test_tensor_descriptor_matches_tensor_ext(device):
     assert torch.equal(cases[-1].cpu(), torch.ops.aten._neg_view.default(x.cpu()[1:].conj()))
 
 
+def test_tensor_lists_are_keyed_and_encoded_in_one_pass_like_single_tensors(device):
+    x = torch.randn(4, 6, dtype=torch.complex64).to(device)
+    items = [x, x[1:], x[:, 2:].t(), x.conj(), torch.ops.aten._neg_view.default(x[2:]), x[0:0]]
+    key, encoded, storage_ids = wire.encode_device_tensors(items)
+    assert encoded == [wire.encode_default(t) for t in items]  # the node's view cache sees the same bytes
+    assert storage_ids == [dev.storage_id_of(x)] * len(items)
+    assert [k[3] for k in key] == [0, 0, 0, 1, 2, 0]  # conj / neg bits
+    # anything but gpuwire tensors: the general path decides (and raises or sends by value)
+    assert wire.encode_device_tensors([x, torch.ones(2)]) is None
+    assert wire.encode_device_tensors([x, 1.5]) is None
+
+
+def test_foreach_ops_match_cpu_as_list_layouts_and_dtypes_change(device):
+    torch.manual_seed(0)
+    shapes = [(3, 4), (5,), (2, 3, 2)]
+    host = [torch.randn(s) for s in shapes]
+    remote = [h.to(device) for h in host]
+    for step in range(3):
+        # the same call with other layouts, dtypes and lengths must not reuse a cached layout
+        views = [t.t() if t.dim() == 2 else t for t in remote[:step + 1]]
+        host_views = [t.t() if t.dim() == 2 else t for t in host[:step + 1]]
+        got, want = torch._foreach_sqrt(torch._foreach_abs(views)), torch._foreach_sqrt(torch._foreach_abs(host_views))
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.stride() == w.stride() and torch.equal(g.cpu(), w)
+        torch._foreach_lerp_(remote, [t * 2 for t in remote], 0.25)
+        torch._foreach_lerp_(host, [t * 2 for t in host], 0.25)
+        assert all(torch.equal(r.cpu(), h) for r, h in zip(remote, host))
+    doubles = [t.double() for t in remote]
+    torch._foreach_mul_(doubles, 3.0)
+    assert all(torch.equal(d.cpu(), h.double() * 3.0) for d, h in zip(doubles, host))
+    assert torch.equal(torch.cat(remote[1:2] * 3).cpu(), torch.cat(host[1:2] * 3))
+
+
+def test_an_in_place_foreach_op_drops_the_clients_copies_of_its_lists(device):
+    torch._foreach_add_([torch.zeros(3, dtype=torch.int64, device=device)], 1)  # (now cached: one pass)
+    counts = torch.tensor([1, 2, 3]).to(device)  # uploaded integers: the client knows their values
+    flags = torch.tensor([True, False]).to(device)
+    assert counts.tolist() == [1, 2, 3]
+    torch._foreach_add_([counts], 1)
+    assert counts.tolist() == [2, 3, 4]
+    torch._foreach_mul_([counts.float(), flags.int()], 2)  # fresh results: nothing known changes
+    assert flags.tolist() == [True, False]
+
+
+def test_a_foreach_list_across_devices_runs_tensor_by_tensor_as_on_cuda(device):
+    # (CUDA's foreach kernels take their slow path there: each tensor updated where it lives)
+    remote, host = torch.ones(3, device=device), torch.ones(3)
+    for _ in range(2):
+        torch._foreach_add_([remote, host], 1)
+    assert torch.equal(remote.cpu(), torch.full((3,), 3.0)) and torch.equal(host, torch.full((3,), 3.0))
+    results = torch._foreach_mul([remote, host], 2)
+    assert wire.on_device(results[0]) and results[1].is_cpu and torch.equal(results[1], torch.full((3,), 6.0))
+
+
 def test_device_guard_type():
     assert torch_module.Guard().type_() == torch._C._autograd.DeviceType.PrivateUse1
 

@@ -744,14 +744,19 @@ def submit_with_outputs(name: str, args, kwargs, specs) -> list:
     return the client tensors for them at once, without waiting for the node."""
     rt = runtime()
     with rt.lock:
-        tensors = []
-        outs = []
-        for sizes, strides, dtype, code, nbytes in specs:
-            sid = rt.reserve(nbytes)
-            tensors.append(wrap_storage(rt, sid, nbytes, sizes, strides, dtype))
-            outs.append((sid, nbytes, sizes, strides, code))
+        tensors, outs = _fresh_outputs(rt, specs)
         queue_op(rt, name, args, kwargs, outs)
     return tensors
+
+
+def _fresh_outputs(rt: Runtime, specs) -> tuple[list, list]:
+    """(client tensors, wire declarations) of fresh results with the layouts ``specs``."""
+    tensors, outs = [], []
+    for sizes, strides, dtype, code, nbytes in specs:
+        sid = rt.reserve(nbytes)
+        tensors.append(wrap_storage(rt, sid, nbytes, sizes, strides, dtype))
+        outs.append((sid, nbytes, sizes, strides, code))
+    return tensors, outs
 
 
 def queue_op(rt: Runtime, name: str, args, kwargs, outs=()) -> None:
@@ -797,6 +802,7 @@ _Tensor = torch.Tensor
 _Generator = torch._C.Generator
 _CACHE_MAX = 4096  # signatures cached per op; past it the cache starts over
 _NOTHING = frozenset()
+_LISTS = object()  # tags the keys of ``DirectPlan._list_key``: they never equal ``_call_key``'s
 
 
 def _slot_kinds(op) -> tuple[frozenset, frozenset]:
@@ -904,6 +910,11 @@ class DirectPlan:
         self._checker = None
         self.local = False  # set once the op is seen to run on the client alone
         self.known_values = self.name in mirror.OPS  # (client/mirror.py)
+        # positional ``Tensor[]`` arguments (the ``_foreach_`` ops' lists, ``cat``'s): keyed and
+        # encoded in one pass (``_call_with_lists``)
+        self.list_positions = () if self.known_values else tuple(
+            i for i, a in enumerate(schema.arguments)
+            if not a.kwarg_only and isinstance(a.type, torch.ListType) and _is_tensor_type(a.type.getElementType()))
 
     @property
     def op(self):
@@ -941,11 +952,80 @@ class DirectPlan:
         return all(r.alias_info is None and isinstance(r.type, torch.TensorType) for r in returns)
 
     def key(self, args, kwargs):
+        if self.list_positions:
+            found = self._list_key(args, kwargs)
+            if found is not None:
+                return found[0]
         return _call_key(args, kwargs, self.typed, _NOTHING)
+
+    def _list_key(self, args, kwargs):
+        """``(key, args with each Tensor[] encoded, the storage ids in those lists, the other
+        arguments)`` from one pass over the lists (``wire.encode_device_tensors``), or None
+        where a list holds anything but gpuwire tensors. Raises TypeError if a value is
+        unhashable."""
+        encoded_args, others = list(args), list(args)
+        keys, storage_ids = [], []
+        for index in self.list_positions:
+            if index >= len(args):
+                break
+            value = args[index]
+            if value.__class__ is not list and value.__class__ is not tuple:
+                return None
+            found = wire.encode_device_tensors(value)
+            if found is None:
+                return None
+            keys.append(found[0])
+            encoded_args[index] = found[1]
+            storage_ids.extend(found[2])
+            others[index] = None
+        key = (_LISTS, tuple(keys), _call_key(others, kwargs, self.typed, _NOTHING))
+        return key, tuple(encoded_args), storage_ids, others
+
+    def _call_with_lists(self, keyset, args, kwargs):
+        """``__call__`` for an op with ``Tensor[]`` arguments: the lists' tensors are read once
+        for both the signature and the message."""
+        try:
+            found = self._list_key(args, kwargs)
+        except TypeError:
+            found = None
+        if found is None:
+            if self.name.startswith("aten::_foreach_") and any(
+                    isinstance(t, _Tensor) and t.is_cpu for i in self.list_positions if i < len(args)
+                    for t in (args[i] if isinstance(args[i], (list, tuple)) else ())):
+                # lists across devices: CUDA's foreach kernels take their slow route, each tensor
+                # updated where it lives; so does the generic kernel
+                return self.composite.call_boxed(keyset, *args, **kwargs)
+            return NotImplemented
+        key, encoded_args, storage_ids, others = found
+        specs = self.cache.get(key)
+        if specs is None:
+            return self._learn(key, keyset, args, kwargs)
+        if self.numbers:
+            encoded_args, kwargs = _numbers_as_tensors(self.numbers, encoded_args, kwargs)
+        rt = _runtime
+        if rt is None:
+            rt = runtime()
+        with rt.lock:
+            if rt.mirror:  # (see ``queue_op``)
+                mirror.forget_storages(rt, storage_ids)
+                mirror.forget_args(rt, others, kwargs)
+            tensors, outs = _fresh_outputs(rt, specs)
+            rt.submit_fresh(rt.encode_op(self.name, encoded_args, kwargs, outs))
+        if self.inplace:
+            if self.source is None:
+                return None
+            return args[0] if self.source[0] == 0 and args else _get_arg(args, kwargs, *self.source)
+        if self.returns_list:
+            return tensors
+        return tensors[0] if len(tensors) == 1 else tuple(tensors)
 
     def __call__(self, keyset, *args, **kwargs):
         if self.local:
             return self.composite.call_boxed(keyset, *args, **kwargs)
+        if self.list_positions:
+            result = self._call_with_lists(keyset, args, kwargs)
+            if result is not NotImplemented:
+                return result
         try:
             key = _call_key(args, kwargs, self.typed, _NOTHING)
             specs = self.cache.get(key)

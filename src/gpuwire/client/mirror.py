@@ -78,6 +78,13 @@ def forget_args(rt, args, kwargs) -> None:
                     mirror.pop(item.untyped_storage().data_ptr(), None)
 
 
+def forget_storages(rt, storage_ids) -> None:
+    """``forget_args`` for storages already known by id (``wire.encode_device_tensors``)."""
+    pop = rt.mirror.pop
+    for storage_id in storage_ids:
+        pop(storage_id, None)
+
+
 def functional_overload(schema):
     """(qualified name, OpOverload) of the functional op an aten out= overload computes
     (``abs.out`` -> ``abs``, ``add.Scalar_out`` -> ``add.Scalar``), or None."""

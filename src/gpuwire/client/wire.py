@@ -119,6 +119,39 @@ _RAW_NEG = torch._C.DispatchKeySet(torch._C.DispatchKey.Negative).raw_repr()
 _EXT_TENSOR = codec.EXT_TENSOR
 
 
+def encode_device_tensors(items):
+    """One pass over a list of gpuwire tensors (a ``_foreach_`` op's ``Tensor[]``: an
+    optimizer's parameters, gradients and states): ``(key, encoded, storage_ids)``, where
+    ``key`` holds each tensor's dtype, sizes, strides and conj/neg bits (what decides the op's
+    output metadata), ``encoded`` their wire descriptors (the bytes ``encode_default`` makes,
+    so the node's view cache sees the same keys) and ``storage_ids`` their storages. None when
+    an item is anything else (a host tensor, another device's, a number): the caller then
+    takes the general path, which raises or encodes it as usual.
+
+    Why: the general path reads every tensor's metadata twice (the signature, then msgpack's
+    ``default`` hook once per tensor); an AdamW step over 148 parameters passes ~2,000 tensors
+    in lists."""
+    key, encoded, storage_ids = [], [], []
+    for t in items:
+        if not isinstance(t, torch.Tensor) or t.is_cpu:
+            return None
+        raw = _dispatch_keys(t).raw_repr()
+        if raw & _RAW_PRIVATE_USE1 != _RAW_PRIVATE_USE1:
+            return None
+        offset = t.storage_offset()
+        pointer = t.data_ptr()
+        if not pointer:
+            pointer = t.untyped_storage().data_ptr()
+        elif offset:
+            pointer -= offset * t.element_size()
+        shape, strides, dtype = tuple(t.shape), t.stride(), t.dtype
+        bits = (raw & _RAW_CONJ == _RAW_CONJ) | ((raw & _RAW_NEG == _RAW_NEG) << 1)
+        key.append((dtype, shape, strides, bits))
+        encoded.append(_ext((_EXT_TENSOR, _pack((pointer, offset, shape, strides, DTYPE_CODE[dtype], bits)))))
+        storage_ids.append(pointer)
+    return tuple(key), encoded, storage_ids
+
+
 def encode_default(obj):
     """msgpack ``default`` hook for the client."""
     if isinstance(obj, torch.Tensor):

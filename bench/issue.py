@@ -1,0 +1,79 @@
+"""The client's issue time of a GPT-2-small-deep training step, against a local step, on the CPU.
+
+Why this figure: on a GPU the remote step keeps up with local only while the client issues a
+step's ops faster than the GPU runs them (docs/performance.md, session 15: an H200 step of
+GPT-2 small was 728 ops, 89 ms of GPU work, and 63-88 ms for the client to issue). That cost
+does not depend on the GPU, so it is measured here, on any machine: GPT-2 with GPT-2 small's
+depth (12 layers, so its op count and optimizer lists: 148 parameters) but a tiny width, batch
+1×8, so the kernels are negligible on both sides. Remote: the time from the step's start until
+its last op is queued (forward, backward, AdamW; the loss is read after the clock stops).
+Local: the same step on the CPU, which is PyTorch's own per-op overhead plus tiny kernels.
+The ratio is how much slower the client issues than PyTorch runs the same program; each phase
+is reported too. Remote and local steps alternate; medians.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .common import median
+
+NAME = "issue"
+DESCRIPTION = ("client issue time of a 12-layer GPT-2 step (d=64) / the same step on local CPU; "
+               "predicts the GPU step ratio (the client must out-issue the GPU)")
+GPT = dict(n_layer=12, n_head=2, n_embd=64, vocab_size=256, n_positions=64)
+BATCH, SEQ = 1, 8
+
+
+def phases(trainer, i: int) -> tuple[float, float, float]:
+    """Seconds to issue the forward, the backward and the optimizer step of step ``i``; the
+    loss is read afterwards (a round trip, not counted)."""
+    ids = trainer.batches[i % 2]
+    t0 = time.perf_counter()
+    ids = ids.to(trainer.device)
+    loss = trainer.model(ids, labels=ids).loss
+    t1 = time.perf_counter()
+    trainer.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    t2 = time.perf_counter()
+    trainer.opt.step()
+    t3 = time.perf_counter()
+    loss.item()
+    return t1 - t0, t2 - t1, t3 - t2
+
+
+def run(ctx, result) -> None:
+    import gpuwire
+
+    from .gpu import GptTrainer
+    rounds, steps = (3, 3) if ctx.quick else (9, 5)
+    result.config.update({"model": f"GPT-2 {GPT}", "batch": BATCH, "seq": SEQ, "rounds": rounds,
+                          "steps per round": steps, "optimizer": "AdamW (foreach, PyTorch's default)"})
+    try:
+        ctx.attach()
+        local = GptTrainer(torch.device("cpu"), GPT, BATCH, SEQ, False)
+        remote = GptTrainer(torch.device("gpuwire"), GPT, BATCH, SEQ, False)
+        for i in range(3):
+            local.step(i)
+            remote.step(i)
+        samples = {"local": [], "remote": []}
+        before = gpuwire.stats()
+        for _ in range(rounds):
+            for side, trainer in (("local", local), ("remote", remote)):
+                for i in range(steps):
+                    samples[side].append(phases(trainer, i))
+        after = gpuwire.stats()
+        ops = (after["ops_sent"] - before["ops_sent"]) / (rounds * steps)
+
+        def ms(side, k=None):
+            return median([sum(s) if k is None else s[k] for s in samples[side]]) * 1e3
+        remote_ms, local_ms = ms("remote"), ms("local")
+        result.add("12-layer GPT-2 step: client issue time", remote_ms, "ms", local_ms, baseline_label="local CPU step ms",
+                   note=f"{ops:.0f} op messages a step: {remote_ms * 1e3 / ops:.0f} us an op")
+        for k, phase in enumerate(("forward", "backward", "AdamW step")):
+            result.add(f"12-layer GPT-2 step: {phase}", ms("remote", k), "ms", ms("local", k),
+                       baseline_label="local CPU ms")
+    except Exception as exc:  # noqa: BLE001
+        result.fail("issue", exc)
