@@ -32,7 +32,7 @@ from torch._C import DispatchKey, DispatchKeySet
 
 from .._memory import RecyclingHostTensors, StorageCache
 from ..protocol.codec import dense_layout
-from . import host_ops, mirror, precision, wire
+from . import checks, host_ops, mirror, precision, wire
 from .errors import ConnectionLost
 from .runtime import Runtime
 from .wire import CODE_DTYPE, DTYPE_CODE
@@ -456,13 +456,21 @@ class MutatingPlan:
         self.numbers = _number_slots(op)
         self.mirrored_as = mirror.functional_for(op._schema)  # (client/mirror.py)
         self.functional = None  # (FunctionalPlan of the functional op, False if none; on first use)
+        self.value_check = checks.MISSED_BY_META.get(self.name)
 
     def __call__(self, op, args, kwargs):
         rt = runtime()
         _check_written_on_device(self.name, self.written, args, kwargs)
+        if self.value_check is not None:
+            self.value_check(args, kwargs)
         if self.numbers:
             args, kwargs = _numbers_as_tensors(self.numbers, args, kwargs)
         if self.out_args:
+            for index, name, kwarg_only in self.out_args:
+                out = _get_arg(args, kwargs, index, name, kwarg_only)
+                if isinstance(out, torch.Tensor) and checks.internal_overlap(out):
+                    # (as every ATen out= kernel refuses it; in place, ``fill_`` and others allow it)
+                    raise RuntimeError(checks.INTERNAL_OVERLAP_MESSAGE)
             if not self._resize_outs(op, args, kwargs):
                 return self._call_sync_outs(op, args, kwargs)
         else:
@@ -639,6 +647,7 @@ class FunctionalPlan:
         tensors, scalars = _slot_kinds(op)
         self.by_class, self.by_kind = tensors, scalars
         self.known_values = self.name in mirror.OPS  # (client/mirror.py)
+        self.value_check = checks.MISSED_BY_META.get(self.name)
 
     def outputs(self, op, args, kwargs):
         try:
@@ -716,6 +725,8 @@ class FunctionalPlan:
         return _MetaEntry(specs, template, out_shapes)
 
     def __call__(self, op, args, kwargs):
+        if self.value_check is not None:
+            self.value_check(args, kwargs)
         if self.numbers:
             args, kwargs = _numbers_as_tensors(self.numbers, args, kwargs)
         entry = self.outputs(op, args, kwargs)
@@ -1060,6 +1071,10 @@ class DirectPlan:
         return tuple(submit_with_outputs(self.name, args, kwargs, specs))
 
     def _learn(self, key, keyset, args, kwargs):
+        # (a check of values that a key holds: run at the first call of each signature)
+        check = checks.MISSED_BY_META.get(self.name)
+        if check is not None:
+            check(args, kwargs)
         if self.name in _OUT_RESIZED_BY_META or (_infer_as_cpu and self.name in _CPU_KERNEL_FIXES):
             # (the generic kernel's layout is the C++ meta function's, which these fixes correct)
             return self._learn_from_meta(key, args, kwargs)
@@ -1526,6 +1541,7 @@ def _empty_memory_format(op, args, kwargs):
     key = (sizes, dtype, memory_format)
     layout = _LAYOUTS.get(key)
     if layout is None:
+        checks.nonnegative_sizes(sizes)
         if memory_format is None or memory_format is torch.contiguous_format or memory_format is torch.preserve_format:
             strides = _contiguous_strides(sizes)
         else:
@@ -1545,6 +1561,7 @@ def _empty_memory_format(op, args, kwargs):
 
 def _empty_strided(op, args, kwargs):
     sizes, strides = tuple(args[0]), tuple(args[1])
+    checks.nonnegative_sizes(sizes)
     dtype = kwargs.get("dtype") or (args[2] if len(args) > 2 and args[2] is not None else torch.get_default_dtype())
     rt = runtime()
     with rt.lock:

@@ -1,0 +1,221 @@
+"""Argument checks that PyTorch's meta kernels skip but its CPU and CUDA kernels make.
+
+Sits in the client beside ``device.py``'s op plans, which infer an op's results from its meta
+kernel and queue it without waiting for the node. Where a meta kernel accepts a call the real
+kernel refuses, the node raised the error at the next sync point, charged to a later line (a
+``try`` around the call never saw it; PyTorch's own ``test_errors`` expects it at the call).
+Each check here raises the real kernel's error, word for word, at the call; nothing crosses
+the wire. ``MISSED_BY_META`` maps an op's name to its check, which the op's plan runs on every
+call (the checks read argument values, not only layouts). Found by running every OpInfo's
+``error_inputs`` on the device without a sync (docs/opinfo.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# c10's ``ScalarType`` names (``toString``), as C++ error messages print a dtype
+SCALAR_TYPE_NAMES = {
+    torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short", torch.int32: "Int", torch.int64: "Long",
+    torch.float16: "Half", torch.float32: "Float", torch.float64: "Double", torch.bool: "Bool",
+    torch.bfloat16: "BFloat16", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
+}
+# ``caffe2::TypeMeta`` names, as structured kernels print an out tensor's dtype
+TYPE_META_NAMES = {
+    torch.uint8: "unsigned char", torch.int8: "signed char", torch.int16: "short int", torch.int32: "int",
+    torch.int64: "long int", torch.float16: "c10::Half", torch.float32: "float", torch.float64: "double",
+    torch.bool: "bool", torch.bfloat16: "c10::BFloat16", torch.complex64: "c10::complex<float>",
+    torch.complex128: "c10::complex<double>",
+}
+# the C++ type names of ``Scalar::to<T>``'s overflow error
+_CONVERTED_NAMES = {torch.float16: "at::Half", torch.bfloat16: "at::BFloat16", torch.float32: "float",
+                    torch.float64: "double", torch.int8: "int8_t", torch.int16: "int16_t", torch.int32: "int",
+                    torch.int64: "int64_t"}
+INTERNAL_OVERLAP_MESSAGE = ("unsupported operation: more than one element of the written-to tensor refers to a "
+                            "single memory location. Please clone() the tensor before performing the operation.")
+OVERLAP_MESSAGE = ("unsupported operation: some elements of the input tensor and the written-to tensor refer to a "
+                   "single memory location. Please clone() the tensor before performing the operation.")
+
+
+def _arg(args, kwargs, index: int, name: str, default=None):
+    return args[index] if index < len(args) else kwargs.get(name, default)
+
+
+def _cpp_double(value: float) -> str:
+    """A double as C++'s ``operator<<`` prints it (six significant digits)."""
+    return f"{value:g}"
+
+
+def nonnegative_sizes(sizes) -> None:
+    """``empty``'s check (ATen ``check_size_nonnegative``)."""
+    for size in sizes:
+        if size < 0:
+            raise RuntimeError(f"Trying to create tensor with negative dimension {size}: {list(sizes)}")
+
+
+def _uniform(args, kwargs) -> None:
+    low, high = _arg(args, kwargs, 1, "from", 0.0), _arg(args, kwargs, 2, "to", 1.0)
+    if low > high:
+        raise RuntimeError(f"uniform_ expects to return a [from, to) range, but found from={_cpp_double(low)} > "
+                           f"to={_cpp_double(high)}")
+
+
+def _masked_fill(args, kwargs) -> None:
+    self, value = args[0], _arg(args, kwargs, 2, "value")
+    name = _CONVERTED_NAMES.get(self.dtype)
+    if name is None or isinstance(value, bool):
+        return
+    if isinstance(value, complex):
+        if value.imag != 0:  # (to a real type: ``Scalar::to`` refuses a nonzero imaginary part)
+            raise RuntimeError(f"value cannot be converted to type {name} without overflow")
+        value = value.real
+    if not isinstance(value, (int, float)):
+        return
+    if self.dtype.is_floating_point:
+        if not math.isfinite(value):
+            return  # (inf and nan convert to every floating type)
+        info = torch.finfo(self.dtype)
+        overflows = float(value) > info.max or float(value) < info.min
+    else:
+        info = torch.iinfo(self.dtype)
+        overflows = value > info.max or value < info.min if math.isfinite(value) else True
+    if overflows:
+        raise RuntimeError(f"value cannot be converted to type {name} without overflow")
+
+
+def _masked_scatter(args, kwargs) -> None:
+    mask = _arg(args, kwargs, 1, "mask")
+    if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
+        raise RuntimeError(f"masked_scatter_ only supports boolean masks, but got mask with dtype "
+                           f"{SCALAR_TYPE_NAMES.get(mask.dtype, mask.dtype)}")
+
+
+_COMPLEX_OF = {torch.float16: torch.complex32, torch.float32: torch.complex64, torch.float64: torch.complex128}
+
+
+def _complex_out(args, kwargs) -> None:
+    real, imag, out = _arg(args, kwargs, 0, "real"), _arg(args, kwargs, 1, "imag"), kwargs.get("out")
+    if not all(isinstance(t, torch.Tensor) for t in (real, imag)):
+        return
+    if real.dtype != imag.dtype:
+        raise RuntimeError(f"Expected object of scalar type {SCALAR_TYPE_NAMES.get(real.dtype, real.dtype)} but got "
+                           f"scalar type {SCALAR_TYPE_NAMES.get(imag.dtype, imag.dtype)} for second argument")
+    expected = _COMPLEX_OF.get(real.dtype)
+    if isinstance(out, torch.Tensor) and expected is not None and out.dtype != expected:
+        raise RuntimeError(f"Expected object of scalar type {SCALAR_TYPE_NAMES.get(expected, expected)} but got "
+                           f"scalar type {SCALAR_TYPE_NAMES.get(out.dtype, out.dtype)} for argument 'out'")
+
+
+def _aminmax_out(args, kwargs) -> None:
+    self = args[0]
+    for name in ("min", "max"):
+        out = kwargs.get(name)
+        if isinstance(out, torch.Tensor) and out.dtype != self.dtype:
+            raise RuntimeError(f"Expected out tensor to have dtype {TYPE_META_NAMES.get(self.dtype, self.dtype)}, "
+                               f"but got {TYPE_META_NAMES.get(out.dtype, out.dtype)} instead")
+
+
+def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """ATen's ``get_overlap_status`` is Full or Partial: the same storage and intersecting byte
+    ranges, judged only for dense tensors (else "too hard", and ATen lets it pass)."""
+    if a is b:
+        return True
+    if not a.numel() or not b.numel() or not _dense(a) or not _dense(b):
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a_start, b_start = a.storage_offset() * a.element_size(), b.storage_offset() * b.element_size()
+    return a_start < b_start + b.numel() * b.element_size() and b_start < a_start + a.numel() * a.element_size()
+
+
+def _dense(t: torch.Tensor) -> bool:
+    # (dense in some memory format; ATen judges any other layout "too hard" and lets it pass)
+    return (t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+            or (t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)))
+
+
+def internal_overlap(t: torch.Tensor) -> bool:
+    """ATen's ``has_internal_overlap`` is YES: a stride of 0 over more than one element."""
+    return any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
+
+
+def _no_overlap(inputs: tuple, outputs: tuple, partial_only: tuple = ()):
+    """``assert_no_overlap`` of each written tensor (by keyword) with each input (by position
+    and name; a list's every tensor); ``partial_only`` inputs may be the very tensor written."""
+    def check(args, kwargs) -> None:
+        ins = []
+        for index, name in inputs:
+            value = _arg(args, kwargs, index, name)
+            ins.extend((t, name in partial_only) for t in (value if isinstance(value, (list, tuple)) else (value,)))
+        for name in outputs:
+            out = kwargs.get(name)
+            if not isinstance(out, torch.Tensor):
+                continue
+            for t, partial in ins:
+                if isinstance(t, torch.Tensor) and overlap(out, t) and not (partial and _same_memory(out, t)):
+                    raise RuntimeError(OVERLAP_MESSAGE)
+    return check
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+                      and a.storage_offset() * a.element_size() == b.storage_offset() * b.element_size()
+                      and a.numel() * a.element_size() == b.numel() * b.element_size())
+
+
+def _gelu(args, kwargs) -> None:
+    approximate = kwargs.get("approximate", "none")
+    if approximate not in ("none", "tanh"):
+        raise RuntimeError("approximate argument must be either none or tanh.")
+
+
+def _multinomial(args, kwargs) -> None:
+    """``multinomial_out``'s checks of layouts and sizes (those of the probabilities' values
+    stay with the kernel: a CUDA GPU raises them asynchronously too)."""
+    self, n_sample = args[0], _arg(args, kwargs, 1, "num_samples")
+    replacement, out = _arg(args, kwargs, 2, "replacement", False), kwargs.get("out")
+    if not 0 < self.dim() <= 2:
+        raise RuntimeError("prob_dist must be 1 or 2 dim")
+    if not self.dtype.is_floating_point:
+        raise RuntimeError(f"multinomial only supports floating-point dtypes for input, got: "
+                           f"{SCALAR_TYPE_NAMES.get(self.dtype, self.dtype)}")
+    if isinstance(out, torch.Tensor) and out.dtype != torch.int64:
+        raise RuntimeError(f"multinomial expects Long tensor out, got: {SCALAR_TYPE_NAMES.get(out.dtype, out.dtype)}")
+    if n_sample <= 0:
+        raise RuntimeError("cannot sample n_sample <= 0 samples")
+    if not replacement and n_sample > self.shape[-1]:
+        raise RuntimeError("cannot sample n_sample > prob_dist.size(-1) samples without replacement")
+    if self.shape[-1] > 2 ** 24:
+        raise RuntimeError("number of categories cannot exceed 2^24")
+
+
+def _bucketize(args, kwargs) -> None:
+    boundaries = _arg(args, kwargs, 1, "boundaries")
+    if isinstance(boundaries, torch.Tensor) and boundaries.dim() != 1:
+        raise RuntimeError(f"boundaries tensor must be 1 dimension, but got dim({boundaries.dim()})")
+
+
+MISSED_BY_META = {
+    "aten::gelu": _gelu,
+    "aten::gelu.out": _gelu,
+    "aten::gelu_": _gelu,
+    "aten::multinomial": _multinomial,
+    "aten::multinomial.out": _multinomial,
+    "aten::bucketize.Tensor": _bucketize,
+    "aten::bucketize.Scalar": _bucketize,
+    "aten::bucketize.Tensor_out": _bucketize,
+    "aten::uniform_": _uniform,
+    "aten::masked_fill_.Scalar": _masked_fill,
+    "aten::masked_scatter_": _masked_scatter,
+    "aten::complex.out": _complex_out,
+    "aten::aminmax.out": _aminmax_out,
+    "aten::masked_select.out": _no_overlap(((0, "self"), (1, "mask")), ("out",)),
+    "aten::kthvalue.values": _no_overlap(((0, "self"),), ("values", "indices")),
+    "aten::gather.out": _no_overlap(((0, "self"), (2, "index")), ("out",), partial_only=("index",)),
+    "aten::index_select.out": _no_overlap(((0, "self"), (2, "index")), ("out",)),
+    "aten::take.out": _no_overlap(((0, "self"), (1, "index")), ("out",)),
+    "aten::cat.out": _no_overlap(((0, "tensors"),), ("out",)),
+    "aten::bernoulli.out": _no_overlap(((0, "self"),), ("out",)),
+}
