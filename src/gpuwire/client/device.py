@@ -32,7 +32,7 @@ from torch._C import DispatchKey, DispatchKeySet
 
 from .._memory import RecyclingHostTensors, StorageCache
 from ..protocol.codec import dense_layout
-from . import checks, host_ops, mirror, precision, wire
+from . import checks, host_ops, mirror, native_guard, precision, wire
 from .errors import ConnectionLost
 from .runtime import Runtime
 from .wire import CODE_DTYPE, DTYPE_CODE
@@ -114,6 +114,7 @@ INFERENCE_CACHES: list[dict] = []  # other modules' output-metadata caches, clea
 
 def _set_runtime(rt: Runtime) -> None:
     global _runtime, _infer_as_cpu
+    native_guard.install()  # (once; where it cannot be built, the Python guard stays)
     _runtime = rt
     as_cpu = rt.device_info.get("backend") == "cpu"
     if as_cpu != _infer_as_cpu:  # cached output metadata was inferred for the other device type

@@ -1,0 +1,75 @@
+"""The device guard in C++ (client/native_guard.py): installed when a program attaches, built
+once per machine, and the Python guard kept wherever it cannot be built."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from gpuwire.client import native_guard, torch_module
+
+# a training step whose gradients the child prints, then which guard served it
+PROGRAM = textwrap.dedent("""
+    import torch, gpuwire
+    from gpuwire.client import native_guard
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2)).to("gpuwire")
+    model(torch.randn(4, 8).to("gpuwire")).square().mean().backward()
+    print([p.grad.cpu().sum().item() for p in model.parameters()])
+    print(native_guard.status())
+""")
+
+
+def _run(node, **env):
+    done = subprocess.run([sys.executable, "-c", PROGRAM], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "GPUWIRE_NODE": node.address, **env})
+    assert done.returncode == 0, done.stderr
+    grads, guard = done.stdout.strip().splitlines()[-2:]
+    return grads, guard
+
+
+def test_the_cpp_guard_serves_backward_without_calling_python(device, monkeypatch):
+    assert native_guard.install() and native_guard.status() == "native"
+    calls = []
+    answer = torch_module.Guard.type_
+    monkeypatch.setattr(torch_module.Guard, "type_", lambda self: calls.append(1) or answer(self))
+    x = torch.randn(5, 3, requires_grad=True)
+    y = x.to(device)
+    (y.sin() * y).sum().backward()
+    local = x.detach().clone().requires_grad_()
+    (local.sin() * local).sum().backward()
+    assert torch.equal(x.grad, local.grad)
+    assert calls == []  # (the Python guard answered ~6 calls an autograd node before)
+
+
+def test_without_a_compiler_or_when_turned_off_the_python_guard_trains_the_same(node, tmp_path):
+    native, guard = _run(node)
+    assert guard == "native"
+    off, guard = _run(node, GPUWIRE_NATIVE_GUARD="0")
+    assert guard == "python (GPUWIRE_NATIVE_GUARD=0)" and off == native
+    broken, guard = _run(node, CXX=str(tmp_path / "no-such-compiler"), GPUWIRE_CACHE_DIR=str(tmp_path / "cache"))
+    assert guard.startswith("python (") and "no-such-compiler" in guard and broken == native
+    assert not list((tmp_path / "cache").glob("*.partial"))  # nothing half-written left behind
+
+
+def test_a_python_error_in_a_backward_on_the_device_thread_reaches_the_caller(device):
+    class Fails(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise ValueError("from the backward")
+
+    x = torch.ones(3, device=device, requires_grad=True)
+    try:
+        Fails.apply(x).sum().backward()
+    except ValueError as exc:
+        assert "from the backward" in str(exc)
+    else:
+        raise AssertionError("the backward's error was lost")
+    (x * 3).sum().backward()  # the device thread goes on
+    assert torch.equal(x.grad.cpu(), torch.full((3,), 3.0))
