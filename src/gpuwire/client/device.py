@@ -32,7 +32,7 @@ from torch._C import DispatchKey, DispatchKeySet
 
 from .._memory import RecyclingHostTensors, StorageCache
 from ..protocol.codec import dense_layout
-from . import checks, host_ops, mirror, native_guard, precision, wire
+from . import checks, host_ops, mirror, native, precision, wire
 from .errors import ConnectionLost
 from .runtime import Runtime
 from .wire import CODE_DTYPE, DTYPE_CODE
@@ -91,6 +91,7 @@ def _connect_default() -> Runtime:
         if not address:
             from .embedded import start_embedded_node
             address, token = start_embedded_node()
+        native.install()  # (once, before the first connection: its encoders; else Python's)
         _set_runtime(Runtime(address, token=token))
         return _runtime
 
@@ -114,7 +115,6 @@ INFERENCE_CACHES: list[dict] = []  # other modules' output-metadata caches, clea
 
 def _set_runtime(rt: Runtime) -> None:
     global _runtime, _infer_as_cpu
-    native_guard.install()  # (once; where it cannot be built, the Python guard stays)
     _runtime = rt
     as_cpu = rt.device_info.get("backend") == "cpu"
     if as_cpu != _infer_as_cpu:  # cached output metadata was inferred for the other device type
@@ -143,6 +143,7 @@ def attach(node: str | None = None, *, token: str | None = None) -> Runtime:
         if not node:
             from .embedded import start_embedded_node
             node, token = start_embedded_node()
+        native.install()  # (once, before the first connection: its encoders; else Python's)
         _set_runtime(Runtime(node, token=token))
         return _runtime
 

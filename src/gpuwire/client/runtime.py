@@ -47,7 +47,8 @@ from ..protocol.events import (
 from ..pool.sizes import format_size
 from .errors import ConnectionLost, NodeUnreachable, RemoteError, out_of_memory_prefix, remote_error
 from .recovery import Recovery
-from .wire import HostTensorArgument, encode_default, host_tensors_by_value, refuse_host_tensors
+from . import wire
+from .wire import HostTensorArgument, host_tensors_by_value, refuse_host_tensors
 
 FLUSH_OPS = 64
 FLUSH_BYTES = 1 << 20
@@ -216,7 +217,7 @@ class Runtime:
         self.resume_key = welcome.resume.get("key")
 
     def new_connection(self) -> Connection:
-        return Connection(Role.CLIENT, default=encode_default, payload_sink=self._data_sink)
+        return Connection(Role.CLIENT, default=wire.packer_default(), payload_sink=self._data_sink)
 
     def _hello(self, token: str | None, resume: dict | None = None) -> Hello:
         options = {"pid": os.getpid()}

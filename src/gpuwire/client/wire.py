@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import warnings
 
 import msgpack
 import torch
@@ -150,6 +151,32 @@ def encode_device_tensors(items):
         encoded.append(_ext((_EXT_TENSOR, _pack((pointer, offset, shape, strides, DTYPE_CODE[dtype], bits)))))
         storage_ids.append(pointer)
     return tuple(key), encoded, storage_ids
+
+
+python_encode_device_tensors = encode_device_tensors
+_native_default = None
+
+
+def use_native(native) -> None:
+    """Take gpuwire tensors' descriptors from the native module (``client/native.py``), which
+    packs the same bytes as the Python functions here; anything else it hands back to them."""
+    global encode_device_tensors, _native_default
+    table = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ("ComplexHalf support is experimental")
+        for dtype, code in DTYPE_CODE.items():
+            try:
+                table[native.scalar_type(torch.empty(0, dtype=dtype))] = (code, dtype)
+            except (RuntimeError, TypeError):
+                continue  # (a dtype this torch cannot make: never on the wire either)
+    native.configure(torch.Tensor, msgpack.ExtType, _EXT_TENSOR, encode_default, table)
+    _native_default = native.encode_default
+    encode_device_tensors = native.encode_device_tensors
+
+
+def packer_default():
+    """The msgpack ``default`` hook a new connection uses: the native one once installed."""
+    return _native_default or encode_default
 
 
 def encode_default(obj):

@@ -1,5 +1,6 @@
-"""The device guard in C++ (client/native_guard.py): installed when a program attaches, built
-once per machine, and the Python guard kept wherever it cannot be built."""
+"""gpuwire's native client helpers (client/native.py): the device guard and tensor descriptors in
+C++, installed when a program attaches, built once per machine, and the Python paths kept
+wherever they cannot be built."""
 
 import os
 import shutil
@@ -11,17 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpuwire.client import native_guard, torch_module
+import msgpack
+
+from gpuwire.client import native, torch_module, wire
 
 # a training step whose gradients the child prints, then which guard served it
 PROGRAM = textwrap.dedent("""
     import torch, gpuwire
-    from gpuwire.client import native_guard
+    from gpuwire.client import native
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2)).to("gpuwire")
     model(torch.randn(4, 8).to("gpuwire")).square().mean().backward()
     print([p.grad.cpu().sum().item() for p in model.parameters()])
-    print(native_guard.status())
+    print(native.status())
 """)
 
 
@@ -41,7 +44,7 @@ def _run(node, **env):
 
 @needs_a_compiler
 def test_the_cpp_guard_serves_backward_without_calling_python(device, monkeypatch):
-    assert native_guard.install() and native_guard.status() == "native"
+    assert native.install() and native.status() == "native"
     calls = []
     answer = torch_module.Guard.type_
     monkeypatch.setattr(torch_module.Guard, "type_", lambda self: calls.append(1) or answer(self))
@@ -55,16 +58,16 @@ def test_the_cpp_guard_serves_backward_without_calling_python(device, monkeypatc
 
 
 @needs_a_compiler
-def test_without_a_compiler_or_when_turned_off_the_python_guard_trains_the_same(node, device, tmp_path):
-    off, guard = _run(node, GPUWIRE_NATIVE_GUARD="0")
-    assert guard == "python (GPUWIRE_NATIVE_GUARD=0)"
+def test_without_a_compiler_or_when_turned_off_python_trains_the_same(node, device, tmp_path):
+    off, guard = _run(node, GPUWIRE_NATIVE="0")
+    assert guard == "python (GPUWIRE_NATIVE=0)"
     broken, guard = _run(node, CXX=str(tmp_path / "no-such-compiler"), GPUWIRE_CACHE_DIR=str(tmp_path / "cache"))
     assert guard.startswith("python (") and "no-such-compiler" in guard and broken == off
     # and the same gradients as the C++ guard gives, here
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2)).to(device)
     model(torch.randn(4, 8).to(device)).square().mean().backward()
-    assert native_guard.status() == "native" and str([p.grad.cpu().sum().item() for p in model.parameters()]) == off
+    assert native.status() == "native" and str([p.grad.cpu().sum().item() for p in model.parameters()]) == off
     assert not list((tmp_path / "cache").glob("*.partial"))  # nothing half-written left behind
 
 
@@ -87,3 +90,25 @@ def test_a_python_error_in_a_backward_on_the_device_thread_reaches_the_caller(de
         raise AssertionError("the backward's error was lost")
     (x * 3).sum().backward()  # the device thread goes on
     assert torch.equal(x.grad.cpu(), torch.full((3,), 3.0))
+
+
+@needs_a_compiler
+def test_native_descriptors_are_the_bytes_python_packs(device):
+    assert native.install()
+    x = torch.randn(4, 6, dtype=torch.complex64).to(device)
+    big = torch.zeros(300, 70000, dtype=torch.uint8, device=device)  # (offsets past 2**16 and 2**32 bytes apart)
+    cases = [x, x[1:], x[:, 2:].t(), x.conj(), torch.ops.aten._neg_view.default(x[2:]), x[0:0], x[0, 0],
+             big[200:], big[:, 40000:], big.view(-1)[1234567:], torch.nn.Parameter(torch.ones(3, device=device)),
+             torch.ones(1, device=device).expand(5, 2)]
+    cases += [torch.zeros(2, 3, dtype=dtype, device=device) for dtype in (
+        torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8, torch.uint8, torch.bool,
+        torch.complex128)]
+    for t in cases:
+        assert native.module.encode_default(t) == wire.encode_default(t), (t.shape, t.dtype)
+    assert native.module.encode_device_tensors(cases) == wire.python_encode_device_tensors(cases)
+    # anything else goes to the Python hook, which raises or encodes it as before
+    assert native.module.encode_device_tensors([x, torch.ones(2)]) is None
+    assert native.module.encode_default(1.5j) == wire.encode_default(1.5j)
+    with pytest.raises(wire.HostTensorArgument):
+        native.module.encode_default(torch.ones(2))
+    assert msgpack.unpackb(native.module.encode_default(big[200:]).data)[1] == 200 * 70000

@@ -1,0 +1,309 @@
+// gpuwire's native client helpers (see native.py): the device guard, and the wire descriptors
+// of gpuwire tensors, read straight from their TensorImpl. Only c10 and Python headers: the
+// module builds in seconds against any torch.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <c10/core/Stream.h>
+#include <c10/core/TensorImpl.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <cstdint>
+#include <string>
+
+namespace {
+
+// ------------------------------------------------------------------ the device guard
+
+constexpr c10::DeviceType kType = c10::DeviceType::PrivateUse1;
+
+c10::Device device() { return c10::Device(kType, 0); }
+c10::Stream default_stream() { return c10::Stream(c10::Stream::DEFAULT, device()); }
+
+// The answers of torch._C._acc's Python guard (one device, index 0, the default stream, events
+// and streams as no-ops), without a call into Python for each.
+struct GpuwireGuard final : public c10::impl::DeviceGuardImplInterface {
+  c10::DeviceType type() const override { return kType; }
+  c10::Device exchangeDevice(c10::Device) const override { return device(); }
+  c10::Device getDevice() const override { return device(); }
+  void setDevice(c10::Device) const override {}
+  void uncheckedSetDevice(c10::Device) const noexcept override {}
+  c10::Stream getStream(c10::Device) const noexcept override { return default_stream(); }
+  c10::Stream getNewStream(c10::Device, int) const override { return default_stream(); }
+  c10::Stream exchangeStream(c10::Stream) const noexcept override { return default_stream(); }
+  c10::DeviceIndex deviceCount() const noexcept override { return 1; }
+  void record(void**, const c10::Stream&, const c10::DeviceIndex, const c10::EventFlag) const override {}
+  void block(void*, const c10::Stream&) const override {}
+  bool queryEvent(void*) const override { return true; }
+  void destroyEvent(void*, const c10::DeviceIndex) const noexcept override {}
+  bool queryStream(const c10::Stream&) const override { return true; }
+  void synchronizeStream(const c10::Stream&) const override {}
+};
+
+GpuwireGuard guard;
+
+PyObject* install_guard(PyObject*, PyObject*) {
+  c10::impl::device_guard_impl_registry[static_cast<size_t>(kType)].store(&guard);
+  return PyLong_FromLong(static_cast<long>(guard.type()));
+}
+
+// ------------------------------------------------------------------ tensor descriptors
+
+// set by configure(): what the descriptors need from Python
+PyObject* tensor_type = nullptr;  // torch.Tensor
+PyObject* ext_type = nullptr;     // msgpack.ExtType
+PyObject* ext_code = nullptr;     // codec.EXT_TENSOR (an int)
+PyObject* fallback = nullptr;     // wire.encode_default: everything this module does not encode
+PyObject* cdata_name = nullptr;   // "_cdata"
+constexpr int kScalarTypes = 64;
+int dtype_codes[kScalarTypes];          // c10::ScalarType -> gpuwire dtype code (-1: none)
+PyObject* dtype_objects[kScalarTypes];  // c10::ScalarType -> torch.dtype
+
+// msgpack's own encodings (the smallest for each value, as msgpack-python's Packer writes them:
+// the node caches views by these bytes, so they must be the same bytes)
+void pack_uint(std::string& out, uint64_t v) {
+  auto be = [&out](uint64_t value, int bytes) {
+    for (int shift = 8 * (bytes - 1); shift >= 0; shift -= 8) out.push_back(static_cast<char>((value >> shift) & 0xff));
+  };
+  if (v < 0x80) {
+    out.push_back(static_cast<char>(v));
+  } else if (v < 0x100) {
+    out.push_back('\xcc'); be(v, 1);
+  } else if (v < 0x10000) {
+    out.push_back('\xcd'); be(v, 2);
+  } else if (v < 0x100000000ULL) {
+    out.push_back('\xce'); be(v, 4);
+  } else {
+    out.push_back('\xcf'); be(v, 8);
+  }
+}
+
+void pack_int(std::string& out, int64_t v) {
+  if (v >= 0) {
+    pack_uint(out, static_cast<uint64_t>(v));
+    return;
+  }
+  auto be = [&out](uint64_t value, int bytes) {
+    for (int shift = 8 * (bytes - 1); shift >= 0; shift -= 8) out.push_back(static_cast<char>((value >> shift) & 0xff));
+  };
+  uint64_t bits = static_cast<uint64_t>(v);
+  if (v >= -32) {
+    out.push_back(static_cast<char>(bits & 0xff));
+  } else if (v >= -0x80) {
+    out.push_back('\xd0'); be(bits, 1);
+  } else if (v >= -0x8000) {
+    out.push_back('\xd1'); be(bits, 2);
+  } else if (v >= -0x80000000LL) {
+    out.push_back('\xd2'); be(bits, 4);
+  } else {
+    out.push_back('\xd3'); be(bits, 8);
+  }
+}
+
+void pack_array_header(std::string& out, size_t n) {
+  if (n < 16) {
+    out.push_back(static_cast<char>(0x90 | n));
+  } else if (n < 0x10000) {
+    out.push_back('\xdc');
+    out.push_back(static_cast<char>((n >> 8) & 0xff));
+    out.push_back(static_cast<char>(n & 0xff));
+  } else {
+    out.push_back('\xdd');
+    for (int shift = 24; shift >= 0; shift -= 8) out.push_back(static_cast<char>((n >> shift) & 0xff));
+  }
+}
+
+// The TensorImpl of a plain gpuwire tensor (strided, on a storage, no Python or functorch
+// wrapping), or nullptr: everything else takes the Python path, which raises or encodes it.
+c10::TensorImpl* gpuwire_impl(PyObject* obj) {
+  if (tensor_type == nullptr || !PyObject_TypeCheck(obj, reinterpret_cast<PyTypeObject*>(tensor_type))) {
+    return nullptr;
+  }
+  PyObject* cdata = PyObject_GetAttr(obj, cdata_name);
+  if (cdata == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  auto* impl = static_cast<c10::TensorImpl*>(PyLong_AsVoidPtr(cdata));
+  Py_DECREF(cdata);
+  if (impl == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  const c10::DispatchKeySet keys = impl->key_set();
+  if (!keys.has(c10::DispatchKey::PrivateUse1) || keys.has(c10::DispatchKey::Python) ||
+      impl->layout() != c10::kStrided || !impl->has_storage() || impl->has_symbolic_sizes_strides()) {
+    return nullptr;
+  }
+  const auto scalar_type = static_cast<int>(impl->dtype().toScalarType());
+  if (scalar_type < 0 || scalar_type >= kScalarTypes || dtype_codes[scalar_type] < 0) {
+    return nullptr;
+  }
+  return impl;
+}
+
+// (storage id, the descriptor's msgpack bytes) of a gpuwire tensor: (pointer, offset, sizes,
+// strides, dtype code, conj | neg << 1), as wire.encode_default packs it
+uint64_t describe(c10::TensorImpl* impl, std::string& out) {
+  const auto storage_id = reinterpret_cast<uint64_t>(impl->unsafe_storage().unsafeGetStorageImpl()->data());
+  const auto sizes = impl->sizes();
+  const auto strides = impl->strides();
+  pack_array_header(out, 6);
+  pack_uint(out, storage_id);
+  pack_int(out, impl->storage_offset());
+  pack_array_header(out, sizes.size());
+  for (const auto size : sizes) pack_int(out, size);
+  pack_array_header(out, strides.size());
+  for (const auto stride : strides) pack_int(out, stride);
+  pack_int(out, dtype_codes[static_cast<int>(impl->dtype().toScalarType())]);
+  pack_int(out, (impl->is_conj() ? 1 : 0) | (impl->is_neg() ? 2 : 0));
+  return storage_id;
+}
+
+PyObject* make_ext(const std::string& bytes) {
+  auto* type = reinterpret_cast<PyTypeObject*>(ext_type);
+  PyObject* ext = type->tp_alloc(type, 2);
+  if (ext == nullptr) return nullptr;
+  PyObject* data = PyBytes_FromStringAndSize(bytes.data(), static_cast<Py_ssize_t>(bytes.size()));
+  if (data == nullptr) {
+    Py_DECREF(ext);
+    return nullptr;
+  }
+  Py_INCREF(ext_code);
+  PyTuple_SET_ITEM(ext, 0, ext_code);
+  PyTuple_SET_ITEM(ext, 1, data);
+  return ext;
+}
+
+// msgpack's ``default`` hook: a gpuwire tensor's descriptor here, anything else by the fallback
+PyObject* encode_default(PyObject*, PyObject* obj) {
+  c10::TensorImpl* impl = gpuwire_impl(obj);
+  if (impl == nullptr) {
+    return PyObject_CallOneArg(fallback, obj);
+  }
+  std::string bytes;
+  bytes.reserve(48);
+  describe(impl, bytes);
+  return make_ext(bytes);
+}
+
+PyObject* int_tuple(c10::IntArrayRef values) {
+  PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(values.size()));
+  if (tuple == nullptr) return nullptr;
+  for (size_t i = 0; i < values.size(); ++i) {
+    PyObject* item = PyLong_FromLongLong(values[i]);
+    if (item == nullptr) {
+      Py_DECREF(tuple);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(tuple, static_cast<Py_ssize_t>(i), item);
+  }
+  return tuple;
+}
+
+// wire.encode_device_tensors: (key, encoded, storage ids) of a list of gpuwire tensors, or None
+PyObject* encode_device_tensors(PyObject*, PyObject* items) {
+  PyObject* seq = PySequence_Fast(items, "a list of tensors");
+  if (seq == nullptr) return nullptr;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** elements = PySequence_Fast_ITEMS(seq);
+  PyObject* key = PyTuple_New(n);
+  PyObject* encoded = PyList_New(n);
+  PyObject* ids = PyList_New(n);
+  std::string bytes;
+  if (key == nullptr || encoded == nullptr || ids == nullptr) goto fail;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    c10::TensorImpl* impl = gpuwire_impl(elements[i]);
+    if (impl == nullptr) {
+      if (PyErr_Occurred()) goto fail;
+      Py_DECREF(seq); Py_DECREF(key); Py_DECREF(encoded); Py_DECREF(ids);
+      Py_RETURN_NONE;
+    }
+    bytes.clear();
+    const uint64_t storage_id = describe(impl, bytes);
+    PyObject* ext = make_ext(bytes);
+    PyObject* id = PyLong_FromUnsignedLongLong(storage_id);
+    PyObject* dtype = dtype_objects[static_cast<int>(impl->dtype().toScalarType())];
+    Py_INCREF(dtype);
+    PyObject* item_key = Py_BuildValue("(NNNi)", dtype, int_tuple(impl->sizes()), int_tuple(impl->strides()),
+                                       (impl->is_conj() ? 1 : 0) | (impl->is_neg() ? 2 : 0));
+    if (ext == nullptr || id == nullptr || item_key == nullptr) {
+      Py_XDECREF(ext); Py_XDECREF(id); Py_XDECREF(item_key);
+      goto fail;
+    }
+    PyList_SET_ITEM(encoded, i, ext);
+    PyList_SET_ITEM(ids, i, id);
+    PyTuple_SET_ITEM(key, i, item_key);
+  }
+  Py_DECREF(seq);
+  return Py_BuildValue("(NNN)", key, encoded, ids);
+fail:
+  Py_DECREF(seq);
+  Py_XDECREF(key);
+  Py_XDECREF(encoded);
+  Py_XDECREF(ids);
+  return nullptr;
+}
+
+// scalar_type(tensor) -> the c10::ScalarType number of a tensor's dtype (to build the tables)
+PyObject* scalar_type(PyObject*, PyObject* obj) {
+  PyObject* cdata = PyObject_GetAttr(obj, cdata_name);
+  if (cdata == nullptr) return nullptr;
+  auto* impl = static_cast<c10::TensorImpl*>(PyLong_AsVoidPtr(cdata));
+  Py_DECREF(cdata);
+  if (impl == nullptr) return nullptr;
+  return PyLong_FromLong(static_cast<long>(impl->dtype().toScalarType()));
+}
+
+// configure(torch.Tensor, msgpack.ExtType, EXT_TENSOR, encode_default, {scalar type: (code, dtype)})
+PyObject* configure(PyObject*, PyObject* args) {
+  PyObject *tensor, *ext, *code, *fallback_default, *table;
+  if (!PyArg_ParseTuple(args, "OOOOO!", &tensor, &ext, &code, &fallback_default, &PyDict_Type, &table)) return nullptr;
+  if (!PyType_Check(ext) || !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(ext), &PyTuple_Type)) {
+    PyErr_SetString(PyExc_TypeError, "ExtType must be a tuple subclass");
+    return nullptr;
+  }
+  for (int i = 0; i < kScalarTypes; ++i) {
+    dtype_codes[i] = -1;
+    Py_CLEAR(dtype_objects[i]);
+  }
+  PyObject *k, *v;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(table, &pos, &k, &v)) {
+    const long index = PyLong_AsLong(k);
+    int wire_code;
+    PyObject* dtype;
+    if (index < 0 || index >= kScalarTypes || !PyArg_ParseTuple(v, "iO", &wire_code, &dtype)) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "scalar type out of range");
+      return nullptr;
+    }
+    dtype_codes[index] = wire_code;
+    Py_INCREF(dtype);
+    dtype_objects[index] = dtype;
+  }
+  for (PyObject** slot : {&tensor_type, &ext_type, &ext_code, &fallback}) Py_CLEAR(*slot);
+  Py_INCREF(tensor); tensor_type = tensor;
+  Py_INCREF(ext); ext_type = ext;
+  Py_INCREF(code); ext_code = code;
+  Py_INCREF(fallback_default); fallback = fallback_default;
+  Py_RETURN_NONE;
+}
+
+PyMethodDef methods[] = {
+    {"install_guard", install_guard, METH_NOARGS, "Install the C++ device guard for PrivateUse1."},
+    {"configure", configure, METH_VARARGS, "Give the descriptor encoder its Python objects."},
+    {"encode_default", encode_default, METH_O, "msgpack default hook: gpuwire tensors natively."},
+    {"encode_device_tensors", encode_device_tensors, METH_O, "(key, encoded, storage ids) of a tensor list, or None."},
+    {"scalar_type", scalar_type, METH_O, "The c10::ScalarType number of a tensor's dtype."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "gpuwire_native", "gpuwire's native client helpers", -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_gpuwire_native() {
+  cdata_name = PyUnicode_InternFromString("_cdata");
+  for (int i = 0; i < kScalarTypes; ++i) dtype_codes[i] = -1;
+  return PyModule_Create(&module);
+}
