@@ -240,7 +240,7 @@ for dev in ("cpu", "gpuwire"):
                                op.gradcheck_wrapper, lambda *a, **k: None)
         print(dev, "NO ERROR")
     except Exception as exc:
-        print(dev, "RAISED", type(exc).__name__)
+        print(dev, "RAISED", type(exc).__name__, str(exc).replace(chr(10), " ")[:300])
 x = torch.randn(4, device="gpuwire", requires_grad=True)
 (x * 3).sum().backward()  # the device thread still works
 print("after", torch.equal(x.grad.cpu(), torch.full((4,), 3.0)))
@@ -252,7 +252,9 @@ def test_error_on_autograd_device_thread_does_not_abort(node):
     autograd's device thread was still pending when the engine's stream guard, unwinding,
     asked the Python device guard for its device type from a ``noexcept`` method: the call
     into Python failed and the process aborted. PyTorch's TestCompositeCompliance.test_backward
-    aborted at native_group_norm (an expected failure). Now the backward raises."""
+    aborted at native_group_norm (an expected failure). Now the backward raises: with the C++
+    guard (client/native.py) the subclass's own error reaches the caller; with the Python guard
+    a SystemError does, and the original error is printed."""
     import os
     import subprocess
     import sys
@@ -262,10 +264,12 @@ def test_error_on_autograd_device_thread_does_not_abort(node):
                           text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
     lines = done.stdout.split("\n")
-    assert lines[0] == "cpu RAISED RuntimeError", done.stdout
+    assert lines[0].startswith("cpu RAISED RuntimeError"), done.stdout
     assert lines[1].startswith("gpuwire RAISED"), done.stdout + done.stderr[-2000:]
     assert lines[2] == "after True", done.stdout
-    assert "Not composite compliant" in done.stderr
+    # the C++ guard: the error the CPU run raises, word for word; the Python guard: a SystemError,
+    # with the original error printed
+    assert lines[1][len("gpuwire"):] == lines[0][len("cpu"):] or "Not composite compliant" in done.stderr
 
 
 def test_efficient_zero_tensor(device):

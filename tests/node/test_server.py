@@ -133,3 +133,52 @@ def test_hostile_op_cannot_allocate_the_machine_away(node):
         rt.synchronize()
     rt.close()
     assert _healthy(node.address)
+
+
+def _in_process_node(frame_timeout: float):
+    """A real node server on loopback, in this process, with a short ``frame_timeout``."""
+    from gpuwire.node.backend import Backend
+    from gpuwire.node.server import NodeServer
+    server = NodeServer(port=0, backend=Backend.select("cpu"))
+    server.frame_timeout = frame_timeout
+    host, port = server.bind()
+    server.start_background()
+    return server, f"{host}:{port}"
+
+
+def _sync_in_pieces(sock: socket.socket, conn: Connection, pause: float):
+    """A Sync sent in two pieces ``pause`` apart; the reply, or b"" if the node hung up."""
+    from gpuwire.protocol.events import Sync, SyncDone
+    frame = conn.send(Sync(seq=1))
+    sock.sendall(frame[:6])
+    time.sleep(pause)
+    try:
+        sock.sendall(frame[6:])
+    except OSError:
+        return b""
+    sock.settimeout(10)
+    while True:
+        event = conn.next_event()
+        if isinstance(event, SyncDone):
+            return event
+        chunk = sock.recv(65536)
+        if not chunk:
+            return b""
+        conn.receive_data(chunk)
+
+
+def test_a_session_idle_longer_than_a_command_may_take_still_takes_a_command_in_pieces():
+    # A command has frame_timeout to arrive once its first bytes did; that clock ran from the last
+    # complete command, so a session idle for longer (a notebook, a test suite between uses) was
+    # dropped as soon as its next command reached the node in two pieces.
+    server, address = _in_process_node(frame_timeout=1.0)
+    try:
+        with _raw(address) as sock:
+            conn = _handshake(sock)
+            time.sleep(1.5)  # idle: longer than a command may take
+            assert _sync_in_pieces(sock, conn, pause=0.2) != b""
+        with _raw(address) as sock:  # and a command that stalls half-way is still cut off
+            conn = _handshake(sock)
+            assert _sync_in_pieces(sock, conn, pause=2.0) == b""
+    finally:
+        server.close()

@@ -477,7 +477,7 @@ class NodeServer:
                 return "invalid or missing token for this node (set GPUWIRE_TOKEN or pass --token)"
         return None
 
-    def _receive_payload(self, sock: socket.socket, conn: Connection, last_event: float) -> None:
+    def _receive_payload(self, sock: socket.socket, conn: Connection, frame_started: float) -> None:
         """The rest of a large payload, received straight into its destination back to back:
         a pass through the session loop (scheduler, event decoding) between two chunks let the
         node fall ~300 us behind a 1 MiB upload. A frame still has ``frame_timeout`` to finish;
@@ -485,8 +485,8 @@ class NodeServer:
         frame_timeout = self.frame_timeout
         sock.settimeout(frame_timeout)
         while conn.payload_remaining:
-            if frame_timeout is not None and time.monotonic() - last_event > frame_timeout:
-                raise socket.timeout(f"no complete command for {frame_timeout:.0f} s")
+            if frame_timeout is not None and time.monotonic() - frame_started > frame_timeout:
+                raise socket.timeout(f"a command took more than {frame_timeout:.0f} s to arrive")
             received = sock.recv_into(conn.get_buffer(RECV_BYTES))
             conn.buffer_updated(received)
             if not received:
@@ -506,6 +506,10 @@ class NodeServer:
         replay_floor = session.replay_floor
         starved = True
         last_event = time.monotonic()
+        # when the first bytes of a command not yet complete arrived: a command has
+        # ``frame_timeout`` to finish from there (from the last complete one, a session idle for
+        # longer than that was dropped as soon as a command reached it in two pieces)
+        frame_started = None
         while True:
             if starved:
                 # a frame that started must finish within frame_timeout: bytes trickling in
@@ -516,12 +520,18 @@ class NodeServer:
                     timeout_now = wait
                 received = sock.recv_into(conn.get_buffer(RECV_BYTES))
                 conn.buffer_updated(received)
+                now = time.monotonic()
+                if conn.mid_frame and frame_started is None:
+                    frame_started = now
                 if received and conn.payload_remaining:
-                    self._receive_payload(sock, conn, last_event)
+                    self._receive_payload(sock, conn, frame_started)
                     timeout_now = frame_timeout
-                quiet = time.monotonic() - last_event
-                if (idle_timeout is not None and quiet > idle_timeout) or (conn.mid_frame and quiet > frame_timeout):
+                    now = time.monotonic()
+                quiet = now - last_event
+                if idle_timeout is not None and quiet > idle_timeout:
                     raise socket.timeout(f"no complete command for {quiet:.0f} s")
+                if conn.mid_frame and frame_timeout is not None and now - frame_started > frame_timeout:
+                    raise socket.timeout(f"a command took more than {frame_timeout:.0f} s to arrive")
             replies = []
             closing = False
             starved = False
@@ -554,6 +564,8 @@ class NodeServer:
                         break  # let other sessions run; the rest of this batch waits its next turn
             if handled:
                 last_event = time.monotonic()
+                # (a command that began in the bytes just read starts its clock now)
+                frame_started = last_event if conn.mid_frame else None
             if replies:
                 send_parts(sock, replies)
             if closing:
