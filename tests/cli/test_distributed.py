@@ -13,6 +13,22 @@ import textwrap
 
 import pytest
 
+
+def _run_job(command, timeout: float = 240, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run`` of a launcher and the ranks it starts, in a process group of their own:
+    past ``timeout`` (under the tests' own 300 s) the whole group is killed: the ranks of a hung job
+    outlived the launcher."""
+    import signal
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"the job did not finish in {timeout:.0f} s:\n{out[-2000:]}\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCRIPT = textwrap.dedent("""
@@ -206,7 +222,7 @@ def test_torchrun_ranks_each_drive_cuda_local_rank_under_gpuwire_run(node, tmp_p
     def torchrun(*prefix, device_type):
         command = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                    f"--master_port={free_port()}", str(path), device_type]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
+        done = _run_job(command, cwd=REPO)
         assert done.returncode == 0, done.stderr[-3000:]
         return sorted(line for line in done.stdout.splitlines() if line.startswith("RESULT"))
 
@@ -277,7 +293,7 @@ def test_fsdp_across_two_ranks_under_gpuwire_run_trains_as_one_process_does(node
                str(path), kind]
     if not kind.endswith("native"):
         command = [sys.executable, "-m", "gpuwire", "run", "--node", node.address, "-q", "--", *command]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO,
+    done = _run_job(command, cwd=REPO,
                           env={**os.environ, "GPUWIRE_NODE": node.address})
     assert done.returncode == 0, done.stderr[-3000:]
     results = sorted(line for line in done.stdout.splitlines() if line.startswith("RESULT"))
@@ -334,7 +350,7 @@ def test_transformers_trainer_with_fsdp_under_gpuwire_run_matches_cpu_gloo(node,
     def torchrun(*prefix, where):
         command = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                    f"--master_port={free_port()}", str(path), str(tmp_path / where), where]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
+        done = _run_job(command, cwd=REPO)
         assert done.returncode == 0, done.stderr[-3000:]
         return [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
 
@@ -368,7 +384,7 @@ def test_dtensors_functional_collectives_on_gpuwire_tensors(node, tmp_path):
     path.write_text(FUNCTIONAL_COLLECTIVES_SCRIPT)
     command = [sys.executable, "-m", "gpuwire", "run", "--node", node.address, "-q", "--", sys.executable, "-m",
                "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", str(path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
+    done = _run_job(command, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     results = sorted(line for line in done.stdout.splitlines() if line.startswith("RESULT"))
     common = "[1.0, 3.0, 5.0, 7.0], [0.5, 1.5, 2.5, 3.5], [0.0, 1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 4.0]"
