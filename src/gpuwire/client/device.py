@@ -974,8 +974,7 @@ class DirectPlan:
     def _list_key(self, args, kwargs):
         """``(key, args with each Tensor[] encoded, the storage ids in those lists, the other
         arguments)`` from one pass over the lists (``wire.encode_device_tensors``), or None
-        where a list holds anything but gpuwire tensors. Raises TypeError if a value is
-        unhashable."""
+        where a list holds anything but gpuwire tensors."""
         encoded_args, others = list(args), list(args)
         keys, storage_ids = [], []
         for index in self.list_positions:
@@ -1010,7 +1009,10 @@ class DirectPlan:
                 return self.composite.call_boxed(keyset, *args, **kwargs)
             return NotImplemented
         key, encoded_args, storage_ids, others = found
-        specs = self.cache.get(key)
+        try:
+            specs = self.cache.get(key)
+        except TypeError:  # an unhashable argument: the general path, which does not cache
+            return NotImplemented
         if specs is None:
             return self._learn(key, keyset, args, kwargs)
         if self.numbers:
