@@ -83,16 +83,24 @@ class GptTrainer:
 
     def timed_step(self, i: int) -> tuple[float, float, float]:
         """(seconds to issue the step's ops, seconds waiting for the loss, loss)."""
+        forward, backward, optimizer, wait, loss = self.phased_step(i)
+        return forward + backward + optimizer, wait, loss
+
+    def phased_step(self, i: int) -> tuple[float, float, float, float, float]:
+        """Seconds to issue the forward (the batch upload included), the backward and the
+        optimizer step, then seconds waiting for the loss; and the loss."""
         t0 = time.perf_counter()
         ids = self.batches[i % 2].to(self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
             loss = self.model(ids, labels=ids).loss
+        t1 = time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        t2 = time.perf_counter()
         self.opt.step()
-        t1 = time.perf_counter()
+        t3 = time.perf_counter()
         value = loss.item()
-        return t1 - t0, time.perf_counter() - t1, value
+        return t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3, value
 
 
 class LocalSide:

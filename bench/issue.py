@@ -14,8 +14,6 @@ is reported too. Remote and local steps alternate; medians.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from .common import median
@@ -25,23 +23,6 @@ DESCRIPTION = ("client issue time of a 12-layer GPT-2 step (d=64) / the same ste
                "predicts the GPU step ratio (the client must out-issue the GPU)")
 GPT = dict(n_layer=12, n_head=2, n_embd=64, vocab_size=256, n_positions=64)
 BATCH, SEQ = 1, 8
-
-
-def phases(trainer, i: int) -> tuple[float, float, float]:
-    """Seconds to issue the forward, the backward and the optimizer step of step ``i``; the
-    loss is read afterwards (a round trip, not counted)."""
-    ids = trainer.batches[i % 2]
-    t0 = time.perf_counter()
-    ids = ids.to(trainer.device)
-    loss = trainer.model(ids, labels=ids).loss
-    t1 = time.perf_counter()
-    trainer.opt.zero_grad(set_to_none=True)
-    loss.backward()
-    t2 = time.perf_counter()
-    trainer.opt.step()
-    t3 = time.perf_counter()
-    loss.item()
-    return t1 - t0, t2 - t1, t3 - t2
 
 
 def run(ctx, result) -> None:
@@ -63,7 +44,7 @@ def run(ctx, result) -> None:
         for _ in range(rounds):
             for side, trainer in (("local", local), ("remote", remote)):
                 for i in range(steps):
-                    samples[side].append(phases(trainer, i))
+                    samples[side].append(trainer.phased_step(i)[:3])  # (the loss is read after)
         after = gpuwire.stats()
         ops = (after["ops_sent"] - before["ops_sent"]) / (rounds * steps)
 

@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from . import wire
+
 # c10's ``ScalarType`` names (``toString``), as C++ error messages print a dtype
 SCALAR_TYPE_NAMES = {
     torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short", torch.int32: "Int", torch.int64: "Long",
@@ -92,9 +94,6 @@ def _masked_scatter(args, kwargs) -> None:
                            f"{SCALAR_TYPE_NAMES.get(mask.dtype, mask.dtype)}")
 
 
-_COMPLEX_OF = {torch.float16: torch.complex32, torch.float32: torch.complex64, torch.float64: torch.complex128}
-
-
 def _complex_out(args, kwargs) -> None:
     real, imag, out = _arg(args, kwargs, 0, "real"), _arg(args, kwargs, 1, "imag"), kwargs.get("out")
     if not all(isinstance(t, torch.Tensor) for t in (real, imag)):
@@ -102,7 +101,7 @@ def _complex_out(args, kwargs) -> None:
     if real.dtype != imag.dtype:
         raise RuntimeError(f"Expected object of scalar type {SCALAR_TYPE_NAMES.get(real.dtype, real.dtype)} but got "
                            f"scalar type {SCALAR_TYPE_NAMES.get(imag.dtype, imag.dtype)} for second argument")
-    expected = _COMPLEX_OF.get(real.dtype)
+    expected = wire.COMPLEX_OF.get(real.dtype)
     if isinstance(out, torch.Tensor) and expected is not None and out.dtype != expected:
         raise RuntimeError(f"Expected object of scalar type {SCALAR_TYPE_NAMES.get(expected, expected)} but got "
                            f"scalar type {SCALAR_TYPE_NAMES.get(out.dtype, out.dtype)} for argument 'out'")

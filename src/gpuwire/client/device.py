@@ -410,17 +410,16 @@ def _wrapped_number_tensor(value, tensors) -> torch.Tensor:
                 # uint8 ``self`` to int64 (``torch.remainder(t, 300)``: wrong dtype and values).
                 return torch.tensor(value, dtype=_WRAPPED_DTYPE[category]).to(dtype)
         elif category == 3 and have == 2:
-            return torch.tensor(value, dtype=_COMPLEX_OF.get(dtype, torch.complex64))
+            return torch.tensor(value, dtype=wire.COMPLEX_OF.get(dtype, torch.complex64))
     if category == 2:
         return torch.tensor(value, dtype=torch.get_default_dtype())
     if category == 3:
-        return torch.tensor(value, dtype=_COMPLEX_OF.get(torch.get_default_dtype(), torch.complex64))
+        return torch.tensor(value, dtype=wire.COMPLEX_OF.get(torch.get_default_dtype(), torch.complex64))
     return torch.tensor(value, dtype=torch.int64 if category == 1 else torch.bool)
 
 
 # the dtype of a wrapped number (``c10::scalar_to_tensor``) by its kind
 _WRAPPED_DTYPE = {0: torch.bool, 1: torch.int64, 2: torch.float64, 3: torch.complex128}
-_COMPLEX_OF = {torch.float16: torch.complex32, torch.float32: torch.complex64, torch.float64: torch.complex128}
 
 
 def _written_slots(op) -> tuple:
@@ -923,6 +922,7 @@ class DirectPlan:
         self._checker = None
         self.local = False  # set once the op is seen to run on the client alone
         self.known_values = self.name in mirror.OPS  # (client/mirror.py)
+        self.value_check = checks.MISSED_BY_META.get(self.name)
         # positional ``Tensor[]`` arguments (the ``_foreach_`` ops' lists, ``cat``'s): keyed and
         # encoded in one pass (``_call_with_lists``)
         self.list_positions = () if self.known_values else tuple(
@@ -1027,12 +1027,16 @@ class DirectPlan:
             tensors, outs = _fresh_outputs(rt, specs)
             rt.submit_fresh(rt.encode_op(self.name, encoded_args, kwargs, outs))
         if self.inplace:
-            if self.source is None:
-                return None
-            return args[0] if self.source[0] == 0 and args else _get_arg(args, kwargs, *self.source)
+            return self._written(args, kwargs)
         if self.returns_list:
             return tensors
         return tensors[0] if len(tensors) == 1 else tuple(tensors)
+
+    def _written(self, args, kwargs):
+        """What an in-place call returns: the argument it wrote (None for a ``_foreach_`` op)."""
+        if self.source is None:
+            return None
+        return args[0] if self.source[0] == 0 and args else _get_arg(args, kwargs, *self.source)
 
     def __call__(self, keyset, *args, **kwargs):
         if self.local:
@@ -1056,9 +1060,7 @@ class DirectPlan:
         if self.inplace:
             with rt.lock:
                 queue_op(rt, self.name, args, kwargs)
-            if self.source is None:
-                return None
-            return args[0] if self.source[0] == 0 and args else _get_arg(args, kwargs, *self.source)
+            return self._written(args, kwargs)
         if self.returns_list:
             return submit_with_outputs(self.name, args, kwargs, specs)
         if len(specs) == 1:  # the common case, inlined
@@ -1075,10 +1077,8 @@ class DirectPlan:
         return tuple(submit_with_outputs(self.name, args, kwargs, specs))
 
     def _learn(self, key, keyset, args, kwargs):
-        # (a check of values that a key holds: run at the first call of each signature)
-        check = checks.MISSED_BY_META.get(self.name)
-        if check is not None:
-            check(args, kwargs)
+        if self.value_check is not None:  # (it checks values a key holds: once a signature does)
+            self.value_check(args, kwargs)
         if self.name in _OUT_RESIZED_BY_META or (_infer_as_cpu and self.name in _CPU_KERNEL_FIXES):
             # (the generic kernel's layout is the C++ meta function's, which these fixes correct)
             return self._learn_from_meta(key, args, kwargs)
@@ -1129,7 +1129,7 @@ class DirectPlan:
             # (so its error is raised at this line)
             result = _call_sync(self.op, self.name, args, kwargs)
             if self.inplace:
-                return _get_arg(args, kwargs, *self.source) if self.source is not None else None
+                return self._written(args, kwargs)
             return result
         if self.inplace:
             specs = ()
@@ -1145,7 +1145,7 @@ class DirectPlan:
             rt = runtime()
             with rt.lock:
                 queue_op(rt, self.name, args, kwargs)
-            return _get_arg(args, kwargs, *self.source) if self.source is not None else None
+            return self._written(args, kwargs)
         tensors = submit_with_outputs(self.name, args, kwargs, specs)
         if self.returns_list:
             return tensors

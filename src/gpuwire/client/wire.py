@@ -93,6 +93,8 @@ def tensor_ext(t: torch.Tensor) -> msgpack.ExtType:
 
 
 # dtypes whose 0-dim tensors ``inline_ext`` packs through numpy directly
+# the complex dtype whose parts are a real dtype (``torch.complex``, a complex Python number's tensor)
+COMPLEX_OF = {torch.float16: torch.complex32, torch.float32: torch.complex64, torch.float64: torch.complex128}
 _NUMPY_SCALAR_DTYPES = frozenset((torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.bool,
                                   torch.int16, torch.int8, torch.uint8, torch.complex64, torch.complex128))
 
@@ -120,18 +122,34 @@ _RAW_NEG = torch._C.DispatchKeySet(torch._C.DispatchKey.Negative).raw_repr()
 _EXT_TENSOR = codec.EXT_TENSOR
 
 
+def _described(t: torch.Tensor, raw: int) -> tuple:
+    """(storage id, key, wire descriptor) of a gpuwire tensor whose raw dispatch keys are ``raw``:
+    the key holds its dtype, sizes, strides and conj/neg bits (what decides an op's output
+    metadata), the descriptor packs (storage id, offset, sizes, strides, dtype code, bits)."""
+    offset = t.storage_offset()
+    pointer = t.data_ptr()
+    if not pointer:  # an empty tensor reports a null data pointer; its storage has its address
+        pointer = t.untyped_storage().data_ptr()
+    elif offset:
+        pointer -= offset * t.element_size()
+    # tuple(shape): msgpack packs a plain tuple faster than torch.Size
+    shape, strides, dtype = tuple(t.shape), t.stride(), t.dtype
+    bits = (raw & _RAW_CONJ == _RAW_CONJ) | ((raw & _RAW_NEG == _RAW_NEG) << 1)
+    return (pointer, (dtype, shape, strides, bits),
+            _ext((_EXT_TENSOR, _pack((pointer, offset, shape, strides, DTYPE_CODE[dtype], bits)))))
+
+
 def encode_device_tensors(items):
     """One pass over a list of gpuwire tensors (a ``_foreach_`` op's ``Tensor[]``: an
-    optimizer's parameters, gradients and states): ``(key, encoded, storage_ids)``, where
-    ``key`` holds each tensor's dtype, sizes, strides and conj/neg bits (what decides the op's
-    output metadata), ``encoded`` their wire descriptors (the bytes ``encode_default`` makes,
-    so the node's view cache sees the same keys) and ``storage_ids`` their storages. None when
-    an item is anything else (a host tensor, another device's, a number): the caller then
-    takes the general path, which raises or encodes it as usual.
+    optimizer's parameters, gradients and states): ``(key, encoded, storage_ids)``, each
+    tensor's key and wire descriptor (the bytes ``encode_default`` makes, so the node's view
+    cache sees the same keys) and its storage. None when an item is anything else (a host
+    tensor, another device's, a number): the caller then takes the general path, which raises
+    or encodes it as usual.
 
     Why: the general path reads every tensor's metadata twice (the signature, then msgpack's
     ``default`` hook once per tensor); an AdamW step over 148 parameters passes ~2,000 tensors
-    in lists."""
+    in lists. (``client/native.py`` replaces this with the same in C++.)"""
     key, encoded, storage_ids = [], [], []
     for t in items:
         if not isinstance(t, torch.Tensor) or t.is_cpu:
@@ -139,17 +157,10 @@ def encode_device_tensors(items):
         raw = _dispatch_keys(t).raw_repr()
         if raw & _RAW_PRIVATE_USE1 != _RAW_PRIVATE_USE1:
             return None
-        offset = t.storage_offset()
-        pointer = t.data_ptr()
-        if not pointer:
-            pointer = t.untyped_storage().data_ptr()
-        elif offset:
-            pointer -= offset * t.element_size()
-        shape, strides, dtype = tuple(t.shape), t.stride(), t.dtype
-        bits = (raw & _RAW_CONJ == _RAW_CONJ) | ((raw & _RAW_NEG == _RAW_NEG) << 1)
-        key.append((dtype, shape, strides, bits))
-        encoded.append(_ext((_EXT_TENSOR, _pack((pointer, offset, shape, strides, DTYPE_CODE[dtype], bits)))))
-        storage_ids.append(pointer)
+        storage_id, item_key, descriptor = _described(t, raw)
+        key.append(item_key)
+        encoded.append(descriptor)
+        storage_ids.append(storage_id)
     return tuple(key), encoded, storage_ids
 
 
@@ -187,16 +198,8 @@ def encode_default(obj):
                 raise HostTensorArgument(f"a host tensor of shape {list(obj.shape)} among the arguments")
             return inline_ext(obj)
         raw = _dispatch_keys(obj).raw_repr()
-        if raw & _RAW_PRIVATE_USE1 == _RAW_PRIVATE_USE1:  # tensor_ext, inlined: the hottest path of encoding
-            offset = obj.storage_offset()
-            pointer = obj.data_ptr()
-            if not pointer:  # an empty tensor reports a null data pointer; its storage has its address
-                pointer = obj.untyped_storage().data_ptr()
-            elif offset:
-                pointer -= offset * obj.element_size()
-            # tuple(shape): msgpack packs a plain tuple faster than torch.Size
-            return _ext((_EXT_TENSOR, _pack((pointer, offset, tuple(obj.shape), obj.stride(), DTYPE_CODE[obj.dtype],
-                                             (raw & _RAW_CONJ == _RAW_CONJ) | ((raw & _RAW_NEG == _RAW_NEG) << 1)))))
+        if raw & _RAW_PRIVATE_USE1 == _RAW_PRIVATE_USE1:  # (natively in client/native.cpp where built)
+            return _described(obj, raw)[2]
         raise UnsupportedArgument(f"a tensor on device {obj.device} cannot be used in an op on the gpuwire device")
     ext = _DTYPE_EXT.get(obj) if isinstance(obj, torch.dtype) else None
     if ext is not None:
