@@ -101,6 +101,9 @@ def replay(path: str, runs: int) -> None:
 
     node_session._direct = timed_direct
     data = open(path, "rb").read()
+    from gpuwire.node import native
+    native.install()
+    print(f"node helpers: {native.status()}")
     backend = Backend.select("cpu")
     rng, ops = node_session.RngOwner(backend), OpTable()
     for _ in range(runs):
@@ -108,7 +111,7 @@ def replay(path: str, runs: int) -> None:
         session = node_session.Session(backend, rng, ops)
         conn.receive_data(data)
         conn.next_event()  # the Hello
-        conn.bind(ext_hook=session.ext_hook, payload_sink=session.payload_sink)
+        conn.bind(ext_hook=session.decode_hook, payload_sink=session.payload_sink)
         conn.send(Welcome(server_version="replay", capabilities=[], session_id=session.id,
                           device=backend.describe(), limits={}, resume={}))
         events, decoding, handling = 0, 0.0, 0.0

@@ -24,6 +24,7 @@ from .. import __version__
 from .._io import send_parts
 from ..protocol import CLOSED, NEED_DATA, Connection, Limits, ProtocolError, Role, check_hello
 from ..protocol.events import Data, Goodbye, Hello, Notice, Read, Reject, Welcome
+from . import native as node_native
 from .backend import Backend
 from .ops import OpTable
 from .scheduler import FairScheduler
@@ -81,6 +82,7 @@ class NodeServer:
         self.scheduler = FairScheduler()
         self.quantum = 0.005  # seconds of device time a session runs before the scheduler may switch
         self.ops = OpTable(self.backend.kind)
+        node_native.install()  # (before any session: each takes the C++ helpers or Python's for life)
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
@@ -218,7 +220,7 @@ class NodeServer:
             session.peer = peer
             session.parked_until = None
             self._sockets[session.id] = sock
-            conn.bind(ext_hook=session.ext_hook, payload_sink=session.payload_sink)
+            conn.bind(ext_hook=session.decode_hook, payload_sink=session.payload_sink)
             session.conn = conn
             if resumed:
                 conn.continue_decoding_from(session.peer_op_names)

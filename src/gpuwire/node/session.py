@@ -43,6 +43,7 @@ from ..protocol.events import (
     SyncDone,
     Write,
 )
+from . import native as node_native
 from .backend import Backend
 from ..pool.sizes import format_size
 from .composite import tensor_leaves
@@ -167,7 +168,7 @@ class Session:
         # so a block parked in the cache would make every next output of that size fresh memory,
         # faulted in page by page (a CNN step faulted 4x the pages a local run does).
         self._cache_on_free: set[int] = set()
-        self._empty = {}  # dtype -> empty tensor used as the base of views
+        self._view_bases = {}  # dtype code -> empty tensor used as the base of views
         self._views: dict = {}  # descriptor bytes -> (storage id, storage, view, sizes, strides, offset)
         self._view_keys: dict = {}  # storage id -> descriptors cached in _views
         # ``Tensor.get_device()`` of this session's tensors (-1: the CPU)
@@ -180,6 +181,15 @@ class Session:
         self._kept: dict = {}
         self._sweep_kept_above = 64
         self.precision: tuple = ()  # math-mode setter calls for this session's ops (``ops._precision``)
+        # the C++ helpers of its hot path (node/native.py) where they are installed, else Python's
+        helpers = node_native.module
+        device_type = node_native.DEVICE_TYPES.get(self.device.type)
+        self._native_adopt = helpers.adopt if helpers is not None and device_type is not None else None
+        self._native_device = (device_type, self._device_index)
+        self._signature = helpers.signature if helpers is not None else _signature
+        # what the connection decodes tensor descriptors with (``ext_hook``, cached views in C++)
+        self.decode_hook = helpers.TensorHook(self._views, self._view_keys, self.storages, self._view_bases,
+                                              self.ext_hook) if helpers is not None else self.ext_hook
 
     # ------------------------------------------------------------ decoding hooks
 
@@ -288,9 +298,9 @@ class Session:
             raise SessionError(
                 f"tensor view (offset {offset}, sizes {list(sizes)}, strides {list(strides)}, {dtype}) reaches "
                 f"outside its storage of {storage.nbytes()} bytes")
-        base = self._empty.get(dtype)
+        base = self._view_bases.get(dtype_code)
         if base is None:
-            base = self._empty[dtype] = torch.empty(0, dtype=dtype, device=self.device)
+            base = self._view_bases[dtype_code] = torch.empty(0, dtype=dtype, device=self.device)
         try:
             t = base.new().set_(storage, offset, sizes, strides)
         except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
@@ -594,7 +604,7 @@ class Session:
         # out= ops return their out= arguments, whose result shapes do not depend on strides:
         # their signature leaves strides out (the hot path of structured kernels)
         strided = kind is not _OUT
-        key = _signature(name, args, kwargs, strided)
+        key = self._signature(name, args, kwargs, strided)
         try:
             cost = _META_COSTS[key]
         except KeyError:
@@ -730,6 +740,8 @@ class Session:
     def _adopt(self, tensor, out) -> None:
         """Store an op's result under the client-chosen storage id, in the layout the client
         computed; copy when the kernel chose another layout or returned an existing buffer."""
+        if self._native_adopt is not None and self._native_adopt(self, tensor, out, *self._native_device):
+            return  # stored as the kernel made it, by the C++ helper (the usual case)
         storage_id, nbytes, sizes, strides, dtype_code = out
         if type(storage_id) is not int or storage_id >= NODE_ID_BASE:
             raise SessionError("bad output storage id")

@@ -1,0 +1,79 @@
+"""gpuwire's native node helpers (``native.cpp``): a session's per-op bookkeeping in C++.
+
+Sits under ``node/session.py``, which calls these where its Python would otherwise run for
+every op a client sends, and keeps the Python for everything else. What crosses the boundary:
+a session object, its decoded arguments and results; the helpers read tensor metadata from
+the TensorImpl and update the session's own dicts, and answer "not here" (the Python path
+decides, copies or raises) for anything but the plain case, so the two paths differ only in
+speed. Measured on the node's replay of a GPT-2 step (``python -m bench.node_replay``), they
+are ~40 % of what a node spends outside kernels:
+
+- ``TensorHook``: the decoder's ``ext_hook``. A descriptor whose cached view is still valid
+  (most arguments: parameters, optimizer state, live activations) is answered without a
+  Python call (2.4 -> ~0.3 us, ~4 an op).
+- ``adopt``: storing a result under the client's id as the kernel made it (``Session._adopt``'s
+  usual case, 5.7 us in Python, ~1.3 results an op).
+- ``signature``: the allocation guard's meta-cost cache key (``session._signature``).
+
+Built by ``gpuwire/_native.py`` when a node starts (a few seconds, once per machine); where it
+cannot be (no compiler), or with ``GPUWIRE_NATIVE=0``, the Python paths run. ``status()``
+says which is in use (``gpuwire smi`` and the node's log show it).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from .. import _native
+
+SOURCE = Path(__file__).with_name("native.cpp")
+MODULE = "gpuwire_node_native"
+# c10::DeviceType numbers of the node devices the helpers store results for
+DEVICE_TYPES = {"cpu": 0, "cuda": 1}
+module = None  # the loaded extension, once installed
+_failure: str | None = None
+
+
+def status() -> str:
+    """'native', or why the Python paths are in use."""
+    if module is not None:
+        return "native"
+    return f"python ({_failure})" if _failure else "python (not installed)"
+
+
+def install() -> bool:
+    """Build (if needed), load and configure the helpers; False, with the reason kept for
+    ``status()``, where the Python paths stay. Idempotent."""
+    global module, _failure
+    if module is not None:
+        return True
+    if not _native.enabled():
+        _failure = "GPUWIRE_NATIVE=0"
+        return False
+    from ..protocol import codec
+    from . import session
+    try:
+        loaded = _native.load(SOURCE, MODULE)
+        table = {}
+        with warnings.catch_warnings():  # (complex32: "experimental")
+            warnings.simplefilter("ignore")
+            for code, dtype in enumerate(session.TORCH_DTYPES):
+                if dtype is not None:
+                    table[loaded.scalar_type(torch.empty(0, dtype=dtype))] = (code, dtype)
+        loaded.configure(torch.Tensor, codec.EXT_TENSOR, table, session._LIST, session._KWARGS,
+                         session.NODE_ID_BASE, session.VIEW_CACHE_MAX)
+    except _native.FAILURES as exc:
+        _failure = f"{type(exc).__name__}: {exc}"
+        return False
+    module = loaded
+    _failure = None
+    return True
+
+
+def uninstall() -> None:
+    """Back to the Python paths for sessions made from now on (tests compare the two)."""
+    global module, _failure
+    module, _failure = None, "uninstalled"
