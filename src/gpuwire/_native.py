@@ -28,6 +28,7 @@ import torch
 
 # what a failed build or load raises: the caller keeps the Python path and says why
 FAILURES = (OSError, ImportError, RuntimeError, subprocess.SubprocessError, ValueError, TypeError)
+COMMON = Path(__file__).with_name("_native_common.h")  # included by every helper's source
 
 
 def enabled() -> bool:
@@ -44,7 +45,7 @@ def cache_dir() -> Path:
 def library_path(source: Path, module: str) -> Path:
     """Where ``source`` built as ``module`` lives: one per source, torch build and Python build."""
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), torch.__version__.encode(), torch.__file__.encode(),
+    for part in (source.read_bytes(), COMMON.read_bytes(), torch.__version__.encode(), torch.__file__.encode(),
                  str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(), sys.version.encode(), sys.executable.encode()):
         digest.update(part)
     return cache_dir() / f"{module}-{digest.hexdigest()[:16]}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
@@ -81,3 +82,16 @@ def load(source: Path, module: str):
     loaded = importlib.util.module_from_spec(spec)
     loader.exec_module(loaded)
     return loaded
+
+
+def install(source: Path, module: str, setup) -> tuple[object | None, str | None]:
+    """(the helper module, None) once built, loaded and ``setup(module)`` ran without error;
+    else (None, why), and its caller keeps the Python paths."""
+    if not enabled():
+        return None, "GPUWIRE_NATIVE=0"
+    try:
+        loaded = load(source, module)
+        setup(loaded)
+    except FAILURES as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    return loaded, None

@@ -8,10 +8,18 @@
 #include <c10/core/TensorImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include "../_native_common.h"
+
 #include <cstdint>
 #include <string>
 
 namespace {
+
+using gpuwire_common::int_tuple;
+using gpuwire_common::kScalarTypes;
+using gpuwire_common::pack_array_header;
+using gpuwire_common::pack_int;
+using gpuwire_common::pack_uint;
 
 // ------------------------------------------------------------------ the device guard
 
@@ -55,63 +63,8 @@ PyObject* ext_type = nullptr;     // msgpack.ExtType
 PyObject* ext_code = nullptr;     // codec.EXT_TENSOR (an int)
 PyObject* fallback = nullptr;     // wire.encode_default: everything this module does not encode
 PyObject* cdata_name = nullptr;   // "_cdata"
-constexpr int kScalarTypes = 64;
 int dtype_codes[kScalarTypes];          // c10::ScalarType -> gpuwire dtype code (-1: none)
 PyObject* dtype_objects[kScalarTypes];  // c10::ScalarType -> torch.dtype
-
-// msgpack's own encodings (the smallest for each value, as msgpack-python's Packer writes them:
-// the node caches views by these bytes, so they must be the same bytes)
-void pack_uint(std::string& out, uint64_t v) {
-  auto be = [&out](uint64_t value, int bytes) {
-    for (int shift = 8 * (bytes - 1); shift >= 0; shift -= 8) out.push_back(static_cast<char>((value >> shift) & 0xff));
-  };
-  if (v < 0x80) {
-    out.push_back(static_cast<char>(v));
-  } else if (v < 0x100) {
-    out.push_back('\xcc'); be(v, 1);
-  } else if (v < 0x10000) {
-    out.push_back('\xcd'); be(v, 2);
-  } else if (v < 0x100000000ULL) {
-    out.push_back('\xce'); be(v, 4);
-  } else {
-    out.push_back('\xcf'); be(v, 8);
-  }
-}
-
-void pack_int(std::string& out, int64_t v) {
-  if (v >= 0) {
-    pack_uint(out, static_cast<uint64_t>(v));
-    return;
-  }
-  auto be = [&out](uint64_t value, int bytes) {
-    for (int shift = 8 * (bytes - 1); shift >= 0; shift -= 8) out.push_back(static_cast<char>((value >> shift) & 0xff));
-  };
-  uint64_t bits = static_cast<uint64_t>(v);
-  if (v >= -32) {
-    out.push_back(static_cast<char>(bits & 0xff));
-  } else if (v >= -0x80) {
-    out.push_back('\xd0'); be(bits, 1);
-  } else if (v >= -0x8000) {
-    out.push_back('\xd1'); be(bits, 2);
-  } else if (v >= -0x80000000LL) {
-    out.push_back('\xd2'); be(bits, 4);
-  } else {
-    out.push_back('\xd3'); be(bits, 8);
-  }
-}
-
-void pack_array_header(std::string& out, size_t n) {
-  if (n < 16) {
-    out.push_back(static_cast<char>(0x90 | n));
-  } else if (n < 0x10000) {
-    out.push_back('\xdc');
-    out.push_back(static_cast<char>((n >> 8) & 0xff));
-    out.push_back(static_cast<char>(n & 0xff));
-  } else {
-    out.push_back('\xdd');
-    for (int shift = 24; shift >= 0; shift -= 8) out.push_back(static_cast<char>((n >> shift) & 0xff));
-  }
-}
 
 // The TensorImpl of a plain gpuwire tensor (strided, on a storage, no Python or functorch
 // wrapping), or nullptr: everything else takes the Python path, which raises or encodes it.
@@ -187,20 +140,6 @@ PyObject* encode_default(PyObject*, PyObject* obj) {
   return make_ext(bytes);
 }
 
-PyObject* int_tuple(c10::IntArrayRef values) {
-  PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(values.size()));
-  if (tuple == nullptr) return nullptr;
-  for (size_t i = 0; i < values.size(); ++i) {
-    PyObject* item = PyLong_FromLongLong(values[i]);
-    if (item == nullptr) {
-      Py_DECREF(tuple);
-      return nullptr;
-    }
-    PyTuple_SET_ITEM(tuple, static_cast<Py_ssize_t>(i), item);
-  }
-  return tuple;
-}
-
 // wire.encode_device_tensors: (key, encoded, storage ids) of a list of gpuwire tensors, or None
 PyObject* encode_device_tensors(PyObject*, PyObject* items) {
   PyObject* seq = PySequence_Fast(items, "a list of tensors");
@@ -245,16 +184,6 @@ fail:
   return nullptr;
 }
 
-// scalar_type(tensor) -> the c10::ScalarType number of a tensor's dtype (to build the tables)
-PyObject* scalar_type(PyObject*, PyObject* obj) {
-  PyObject* cdata = PyObject_GetAttr(obj, cdata_name);
-  if (cdata == nullptr) return nullptr;
-  auto* impl = static_cast<c10::TensorImpl*>(PyLong_AsVoidPtr(cdata));
-  Py_DECREF(cdata);
-  if (impl == nullptr) return nullptr;
-  return PyLong_FromLong(static_cast<long>(impl->dtype().toScalarType()));
-}
-
 // configure(torch.Tensor, msgpack.ExtType, EXT_TENSOR, encode_default, {scalar type: (code, dtype)})
 PyObject* configure(PyObject*, PyObject* args) {
   PyObject *tensor, *ext, *code, *fallback_default, *table;
@@ -267,19 +196,12 @@ PyObject* configure(PyObject*, PyObject* args) {
     dtype_codes[i] = -1;
     Py_CLEAR(dtype_objects[i]);
   }
-  PyObject *k, *v;
-  Py_ssize_t pos = 0;
-  while (PyDict_Next(table, &pos, &k, &v)) {
-    const long index = PyLong_AsLong(k);
-    int wire_code;
-    PyObject* dtype;
-    if (index < 0 || index >= kScalarTypes || !PyArg_ParseTuple(v, "iO", &wire_code, &dtype)) {
-      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "scalar type out of range");
-      return nullptr;
-    }
-    dtype_codes[index] = wire_code;
-    Py_INCREF(dtype);
-    dtype_objects[index] = dtype;
+  if (gpuwire_common::read_dtype_table(table, [](int index, int code, PyObject* dtype) {
+        dtype_codes[index] = code;
+        Py_INCREF(dtype);
+        dtype_objects[index] = dtype;
+      }) < 0) {
+    return nullptr;
   }
   for (PyObject** slot : {&tensor_type, &ext_type, &ext_code, &fallback}) Py_CLEAR(*slot);
   Py_INCREF(tensor); tensor_type = tensor;
@@ -294,7 +216,7 @@ PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, "Give the descriptor encoder its Python objects."},
     {"encode_default", encode_default, METH_O, "msgpack default hook: gpuwire tensors natively."},
     {"encode_device_tensors", encode_device_tensors, METH_O, "(key, encoded, storage ids) of a tensor list, or None."},
-    {"scalar_type", scalar_type, METH_O, "The c10::ScalarType number of a tensor's dtype."},
+    {"scalar_type", gpuwire_common::scalar_type, METH_O, "The c10::ScalarType number of a tensor's dtype."},
     {nullptr, nullptr, 0, nullptr},
 };
 

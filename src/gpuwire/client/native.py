@@ -48,20 +48,17 @@ def install() -> bool:
     global _installed, _failure, module
     if _installed:
         return True
-    if not _native.enabled():
-        _failure = "GPUWIRE_NATIVE=0"
-        return False
-    try:
-        loaded = _native.load(SOURCE, MODULE)
+
+    def setup(loaded) -> None:
         answered = loaded.install_guard()
         if answered != int(torch._C._autograd.DeviceType.PrivateUse1):
             raise RuntimeError(f"the built guard answers device type {answered}")
         from . import wire
         wire.use_native(loaded)
-    except _native.FAILURES as exc:
-        _failure = f"{type(exc).__name__}: {exc}"
+
+    loaded, _failure = _native.install(SOURCE, MODULE, setup)
+    if loaded is None:
         return False
     module = loaded
     _installed = True
-    _failure = None
     return True

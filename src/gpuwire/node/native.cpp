@@ -7,10 +7,18 @@
 
 #include <c10/core/TensorImpl.h>
 
+#include "../_native_common.h"
+
 #include <cstdint>
 #include <string>
 
 namespace {
+
+using gpuwire_common::int_tuple;
+using gpuwire_common::kCodes;
+using gpuwire_common::kScalarTypes;
+using gpuwire_common::pack_array_header;
+using gpuwire_common::pack_int;
 
 // set by configure()
 PyObject* tensor_type = nullptr;  // torch.Tensor
@@ -19,8 +27,6 @@ PyObject* list_marker = nullptr;  // session._LIST
 PyObject* kwargs_marker = nullptr;  // session._KWARGS
 unsigned long long node_id_base = 0;  // session.NODE_ID_BASE: client ids stay below it
 Py_ssize_t view_cache_max = 0;    // session.VIEW_CACHE_MAX
-constexpr int kScalarTypes = 64;
-constexpr int kCodes = 64;
 PyObject* dtype_objects[kScalarTypes];  // c10::ScalarType -> torch.dtype
 int scalar_of_code[kCodes];             // wire dtype code -> c10::ScalarType (-1: none)
 
@@ -57,21 +63,32 @@ bool same_ints(PyObject* seq, c10::IntArrayRef values) {
   return true;
 }
 
-PyObject* int_tuple(c10::IntArrayRef values) {
-  PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(values.size()));
-  if (tuple == nullptr) return nullptr;
-  for (size_t i = 0; i < values.size(); ++i) {
-    PyObject* item = PyLong_FromLongLong(values[i]);
-    if (item == nullptr) {
-      Py_DECREF(tuple);
-      return nullptr;
-    }
-    PyTuple_SET_ITEM(tuple, static_cast<Py_ssize_t>(i), item);
-  }
-  return tuple;
-}
-
 // ------------------------------------------------------------------ descriptor views (decoding)
+
+// Session._remember_view with room in the cache: ``entry`` as the view of descriptor ``data``,
+// listed under its storage so that Free drops it. 0 done, 1 the cache is full (the Python
+// method empties it), -1 an error.
+int cache_view(PyObject* views, PyObject* view_keys, PyObject* storage_id, PyObject* data, PyObject* entry) {
+  if (!PyDict_CheckExact(views) || !PyDict_CheckExact(view_keys) || PyDict_GET_SIZE(views) >= view_cache_max) return 1;
+  const int known = PyDict_Contains(views, data);
+  if (known < 0) return -1;
+  if (!known) {
+    PyObject* keys = PyDict_GetItemWithError(view_keys, storage_id);  // borrowed
+    if (keys != nullptr && PyList_CheckExact(keys)) {
+      if (PyList_Append(keys, data) < 0) return -1;
+    } else {
+      if (PyErr_Occurred()) return -1;
+      PyObject* fresh = PyList_New(1);
+      if (fresh == nullptr) return -1;
+      Py_INCREF(data);
+      PyList_SET_ITEM(fresh, 0, data);
+      const int rc = PyDict_SetItem(view_keys, storage_id, fresh);
+      Py_DECREF(fresh);
+      if (rc < 0) return -1;
+    }
+  }
+  return PyDict_SetItem(views, data, entry);
+}
 
 // TensorHook(views, view_keys, storages, bases, fallback): msgpack's ext_hook for a session. A
 // tensor descriptor whose cached view is still valid (the same storage in the session's table,
@@ -215,28 +232,10 @@ PyObject* new_view(TensorHook* self, PyObject* data) {
   PyObject* entry = (sizes_tuple && strides_tuple && offset_obj)
                         ? PyTuple_Pack(6, id_obj, storage, view, sizes_tuple, strides_tuple, offset_obj) : nullptr;
   Py_XDECREF(sizes_tuple); Py_XDECREF(strides_tuple); Py_XDECREF(offset_obj);
-  int rc = -1;
-  if (entry != nullptr && PyDict_GET_SIZE(self->views) < view_cache_max) {
-    PyObject* keys = PyDict_GetItemWithError(self->view_keys, id_obj);  // borrowed
-    const int known = PyDict_Contains(self->views, data);
-    if (known == 1) {
-      rc = 0;
-    } else if (known == 0 && keys != nullptr && PyList_CheckExact(keys)) {
-      rc = PyList_Append(keys, data);
-    } else if (known == 0 && !PyErr_Occurred()) {
-      PyObject* fresh = PyList_New(1);
-      if (fresh != nullptr) {
-        Py_INCREF(data);
-        PyList_SET_ITEM(fresh, 0, data);
-        rc = PyDict_SetItem(self->view_keys, id_obj, fresh);
-        Py_DECREF(fresh);
-      }
-    }
-    if (rc == 0) rc = PyDict_SetItem(self->views, data, entry);
-  }
+  const int rc = entry == nullptr ? -1 : cache_view(self->views, self->view_keys, id_obj, data, entry);
   Py_XDECREF(entry);
   Py_DECREF(id_obj);
-  if (rc < 0) {
+  if (rc != 0) {
     Py_DECREF(view);
     PyErr_Clear();
     return nullptr;
@@ -323,36 +322,6 @@ PyTypeObject TensorHookType = {PyVarObject_HEAD_INIT(nullptr, 0) "gpuwire_node_n
 
 // ------------------------------------------------------------------ adopting an op's result
 
-// msgpack's own encodings (the smallest for each value, as msgpack-python's Packer writes them:
-// these bytes must be the ones a client sends for the same descriptor)
-void put_be(std::string& out, uint64_t value, int bytes) {
-  for (int shift = 8 * (bytes - 1); shift >= 0; shift -= 8) out.push_back(static_cast<char>((value >> shift) & 0xff));
-}
-
-void pack_int(std::string& out, int64_t v) {
-  if (v >= 0) {
-    const auto u = static_cast<uint64_t>(v);
-    if (u < 0x80) out.push_back(static_cast<char>(u));
-    else if (u < 0x100) { out.push_back('\xcc'); put_be(out, u, 1); }
-    else if (u < 0x10000) { out.push_back('\xcd'); put_be(out, u, 2); }
-    else if (u < 0x100000000ULL) { out.push_back('\xce'); put_be(out, u, 4); }
-    else { out.push_back('\xcf'); put_be(out, u, 8); }
-    return;
-  }
-  const auto bits = static_cast<uint64_t>(v);
-  if (v >= -32) out.push_back(static_cast<char>(bits & 0xff));
-  else if (v >= -0x80) { out.push_back('\xd0'); put_be(out, bits, 1); }
-  else if (v >= -0x8000) { out.push_back('\xd1'); put_be(out, bits, 2); }
-  else if (v >= -0x80000000LL) { out.push_back('\xd2'); put_be(out, bits, 4); }
-  else { out.push_back('\xd3'); put_be(out, bits, 8); }
-}
-
-void pack_array_header(std::string& out, size_t n) {
-  if (n < 16) out.push_back(static_cast<char>(0x90 | n));
-  else if (n < 0x10000) { out.push_back('\xdc'); put_be(out, n, 2); }
-  else { out.push_back('\xdd'); put_be(out, n, 4); }
-}
-
 // the descriptor of a fresh result, (storage id, 0, sizes, strides, dtype code, 0), packed
 PyObject* result_descriptor(uint64_t storage_id, c10::IntArrayRef sizes, c10::IntArrayRef strides, int code) {
   std::string out;
@@ -369,40 +338,18 @@ PyObject* result_descriptor(uint64_t storage_id, c10::IntArrayRef sizes, c10::In
   return PyBytes_FromStringAndSize(out.data(), static_cast<Py_ssize_t>(out.size()));
 }
 
-// Session._remember_view, for the case with room in the cache (else the Python method)
+// Session._remember_view: in C++ while the cache has room, else the Python method
 int remember_view(PyObject* session, PyObject* storage_id, PyObject* data, PyObject* entry) {
   PyObject* views = PyObject_GetAttr(session, s_views);
-  if (views == nullptr) return -1;
-  int rc = -1;
-  if (!PyDict_CheckExact(views) || PyDict_GET_SIZE(views) >= view_cache_max) {
+  PyObject* view_keys = views ? PyObject_GetAttr(session, s_view_keys) : nullptr;
+  int rc = view_keys ? cache_view(views, view_keys, storage_id, data, entry) : -1;
+  Py_XDECREF(views);
+  Py_XDECREF(view_keys);
+  if (rc == 1) {
     PyObject* done = PyObject_CallMethodObjArgs(session, s_remember_view, data, entry, nullptr);
     Py_XDECREF(done);
     rc = done == nullptr ? -1 : 0;
-  } else {
-    const int known = PyDict_Contains(views, data);
-    if (known == 0) {
-      PyObject* view_keys = PyObject_GetAttr(session, s_view_keys);
-      if (view_keys != nullptr) {
-        PyObject* keys = PyDict_GetItemWithError(view_keys, storage_id);  // borrowed
-        if (keys != nullptr && PyList_CheckExact(keys)) {
-          rc = PyList_Append(keys, data);
-        } else if (!PyErr_Occurred()) {
-          PyObject* fresh = PyList_New(1);
-          if (fresh != nullptr) {
-            Py_INCREF(data);
-            PyList_SET_ITEM(fresh, 0, data);
-            rc = PyObject_SetItem(view_keys, storage_id, fresh);
-            Py_DECREF(fresh);
-          }
-        }
-        Py_DECREF(view_keys);
-      }
-    } else if (known == 1) {
-      rc = 0;
-    }
-    if (rc == 0) rc = PyDict_SetItem(views, data, entry);
   }
-  Py_DECREF(views);
   return rc;
 }
 
@@ -637,16 +584,6 @@ PyObject* signature(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 // ------------------------------------------------------------------ set-up
 
-// scalar_type(tensor) -> the c10::ScalarType number of a tensor's dtype (to build the tables)
-PyObject* scalar_type(PyObject*, PyObject* obj) {
-  PyObject* cdata = PyObject_GetAttr(obj, s_cdata);
-  if (cdata == nullptr) return nullptr;
-  auto* impl = static_cast<c10::TensorImpl*>(PyLong_AsVoidPtr(cdata));
-  Py_DECREF(cdata);
-  if (impl == nullptr) return nullptr;
-  return PyLong_FromLong(static_cast<long>(impl->dtype().toScalarType()));
-}
-
 // configure(torch.Tensor, EXT_TENSOR, {scalar type: (wire code, dtype)}, _LIST, _KWARGS, NODE_ID_BASE, VIEW_CACHE_MAX)
 PyObject* configure(PyObject*, PyObject* args) {
   PyObject *tensor, *table, *list_mark, *kwargs_mark;
@@ -659,20 +596,12 @@ PyObject* configure(PyObject*, PyObject* args) {
   }
   for (int i = 0; i < kScalarTypes; ++i) Py_CLEAR(dtype_objects[i]);
   for (int i = 0; i < kCodes; ++i) scalar_of_code[i] = -1;
-  PyObject *k, *v;
-  Py_ssize_t pos = 0;
-  while (PyDict_Next(table, &pos, &k, &v)) {
-    const long index = PyLong_AsLong(k);
-    int wire_code;
-    PyObject* dtype;
-    if (index < 0 || index >= kScalarTypes || !PyArg_ParseTuple(v, "iO", &wire_code, &dtype) || wire_code < 0 ||
-        wire_code >= kCodes) {
-      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "scalar type or wire code out of range");
-      return nullptr;
-    }
-    scalar_of_code[wire_code] = static_cast<int>(index);
-    Py_INCREF(dtype);
-    dtype_objects[index] = dtype;
+  if (gpuwire_common::read_dtype_table(table, [](int index, int code, PyObject* dtype) {
+        scalar_of_code[code] = index;
+        Py_INCREF(dtype);
+        dtype_objects[index] = dtype;
+      }) < 0) {
+    return nullptr;
   }
   for (PyObject** slot : {&tensor_type, &list_marker, &kwargs_marker}) Py_CLEAR(*slot);
   Py_INCREF(tensor); tensor_type = tensor;
@@ -690,7 +619,7 @@ PyMethodDef methods[] = {
      "Store an op's result as it is (True), or leave it to Session._adopt (False)."},
     {"signature", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(signature)), METH_FASTCALL,
      "The guard's meta-cost cache key of an op's arguments."},
-    {"scalar_type", scalar_type, METH_O, "The c10::ScalarType number of a tensor's dtype."},
+    {"scalar_type", gpuwire_common::scalar_type, METH_O, "The c10::ScalarType number of a tensor's dtype."},
     {nullptr, nullptr, 0, nullptr},
 };
 

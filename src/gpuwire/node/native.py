@@ -50,13 +50,10 @@ def install() -> bool:
     global module, _failure
     if module is not None:
         return True
-    if not _native.enabled():
-        _failure = "GPUWIRE_NATIVE=0"
-        return False
     from ..protocol import codec
     from . import session
-    try:
-        loaded = _native.load(SOURCE, MODULE)
+
+    def setup(loaded) -> None:
         table = {}
         with warnings.catch_warnings():  # (complex32: "experimental")
             warnings.simplefilter("ignore")
@@ -65,15 +62,6 @@ def install() -> bool:
                     table[loaded.scalar_type(torch.empty(0, dtype=dtype))] = (code, dtype)
         loaded.configure(torch.Tensor, codec.EXT_TENSOR, table, session._LIST, session._KWARGS,
                          session.NODE_ID_BASE, session.VIEW_CACHE_MAX)
-    except _native.FAILURES as exc:
-        _failure = f"{type(exc).__name__}: {exc}"
-        return False
-    module = loaded
-    _failure = None
-    return True
 
-
-def uninstall() -> None:
-    """Back to the Python paths for sessions made from now on (tests compare the two)."""
-    global module, _failure
-    module, _failure = None, "uninstalled"
+    module, _failure = _native.install(SOURCE, MODULE, setup)
+    return module is not None
