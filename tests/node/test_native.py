@@ -265,3 +265,10 @@ def test_a_result_in_memory_the_session_already_holds_is_copied():
         session.handle(Free(seq=0, storage_ids=[0x1000]))
         outcomes.append((tables(session), decoded(session, descriptor(0x40, 0, (64,), (1,)))))
     assert outcomes[0] == outcomes[1]
+
+
+def test_a_node_says_which_paths_it_runs(node):
+    from gpuwire.smi import fetch
+    info, _ = fetch(node.address, None)
+    # (a node process builds its own helpers: with a compiler here, it runs them)
+    assert info["helpers"] == "native" if BUILDS else info["helpers"].startswith("python ("), info["helpers"]

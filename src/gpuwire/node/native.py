@@ -17,7 +17,7 @@ are ~40 % of what a node spends outside kernels:
 
 Built by ``gpuwire/_native.py`` when a node starts (a few seconds, once per machine); where it
 cannot be (no compiler), or with ``GPUWIRE_NATIVE=0``, the Python paths run. ``status()``
-says which is in use (``gpuwire smi`` and the node's log show it).
+says which is in use (the node logs it at start; ``gpuwire smi --json`` shows it as ``helpers``).
 """
 
 from __future__ import annotations

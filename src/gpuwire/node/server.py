@@ -83,6 +83,7 @@ class NodeServer:
         self.quantum = 0.005  # seconds of device time a session runs before the scheduler may switch
         self.ops = OpTable(self.backend.kind)
         node_native.install()  # (before any session: each takes the C++ helpers or Python's for life)
+        log.info("per-op helpers: %s", node_native.status())
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
@@ -169,7 +170,7 @@ class NodeServer:
                         for s in self.sessions.values()]
         return {"device": self.backend.describe(), "server_version": __version__, "utilization": round(utilization, 1),
                 "bytes_in_use": sum(s["bytes_in_use"] for s in sessions), "sessions": sessions,
-                "uptime_s": round(now - self.started, 1)}
+                "uptime_s": round(now - self.started, 1), "helpers": node_native.status()}
 
     # ------------------------------------------------------------ one connection
 
