@@ -265,8 +265,16 @@ PyObject* cached_view(TensorHook* self, PyObject* data) {
 
 PyObject* hook_call(PyObject* obj, PyObject* args, PyObject* kwargs) {
   auto* self = reinterpret_cast<TensorHook*>(obj);
-  if (kwargs == nullptr && PyTuple_GET_SIZE(args) == 2 && PyLong_CheckExact(PyTuple_GET_ITEM(args, 0)) &&
-      PyLong_AsLong(PyTuple_GET_ITEM(args, 0)) == ext_tensor_code) {
+  if (self->fallback == nullptr) {
+    PyErr_SetString(PyExc_TypeError, "TensorHook(views, view_keys, storages, bases, fallback) was not initialised");
+    return nullptr;
+  }
+  long code = -1;
+  if (kwargs == nullptr && PyTuple_GET_SIZE(args) == 2 && PyLong_CheckExact(PyTuple_GET_ITEM(args, 0))) {
+    code = PyLong_AsLong(PyTuple_GET_ITEM(args, 0));
+    if (code == -1 && PyErr_Occurred()) PyErr_Clear();  // (msgpack's codes fit a byte; the fallback decides)
+  }
+  if (code == ext_tensor_code && code >= 0) {
     PyObject* data = PyTuple_GET_ITEM(args, 1);
     PyObject* view = cached_view(self, data);
     if (view == nullptr && !PyErr_Occurred() && PyBytes_CheckExact(data)) view = new_view(self, data);
