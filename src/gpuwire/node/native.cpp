@@ -361,17 +361,20 @@ int remember_view(PyObject* session, PyObject* storage_id, PyObject* data, PyObj
   return rc;
 }
 
-int add_to_int_attr(PyObject* session, PyObject* name, long long delta, long long* now) {
-  PyObject* value = PyObject_GetAttr(session, name);
-  if (value == nullptr) return -1;
-  const long long before = PyLong_AsLongLong(value);
-  Py_DECREF(value);
-  if (before == -1 && PyErr_Occurred()) return -1;
-  *now = before + delta;
-  PyObject* updated = PyLong_FromLongLong(*now);
-  if (updated == nullptr) return -1;
-  const int rc = PyObject_SetAttr(session, name, updated);
-  Py_DECREF(updated);
+// an int attribute of the session (bytes_in_use, peak_bytes): read into *value (0) or -1
+int read_int_attr(PyObject* session, PyObject* name, long long* value) {
+  PyObject* obj = PyObject_GetAttr(session, name);
+  if (obj == nullptr) return -1;
+  *value = PyLong_AsLongLong(obj);
+  Py_DECREF(obj);
+  return *value == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
+int write_int_attr(PyObject* session, PyObject* name, long long value) {
+  PyObject* obj = PyLong_FromLongLong(value);
+  if (obj == nullptr) return -1;
+  const int rc = PyObject_SetAttr(session, name, obj);
+  Py_DECREF(obj);
   return rc;
 }
 
@@ -421,7 +424,7 @@ PyObject* adopt(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
   PyObject *live = nullptr, *ptr_obj = nullptr, *storage = nullptr, *storages = nullptr, *budget = nullptr;
   PyObject* result = nullptr;
-  long long in_use = 0;
+  long long in_use = 0, peak = 0;
   live = PyObject_GetAttr(session, s_live_ptrs);
   if (live == nullptr || !PySet_Check(live)) goto fallback;
   ptr_obj = PyLong_FromVoidPtr(reinterpret_cast<void*>(ptr));
@@ -445,36 +448,22 @@ PyObject* adopt(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   budget = PyObject_GetAttr(session, s_memory_budget);
   if (budget == nullptr) goto done;
+  if (read_int_attr(session, s_bytes_in_use, &in_use) < 0) goto done;  // (after _release's change)
   if (budget != Py_None) {
-    PyObject* used = PyObject_GetAttr(session, s_bytes_in_use);
-    if (used == nullptr) goto done;
-    const long long used_bytes = PyLong_AsLongLong(used);
-    Py_DECREF(used);
     const long long limit = PyLong_AsLongLong(budget);
-    if (PyErr_Occurred()) goto done;
-    if (used_bytes + have > limit) {
-      PyObject* checked = PyObject_CallMethod(session, "check_budget", "L", have);
+    if (limit == -1 && PyErr_Occurred()) goto done;
+    if (in_use + have > limit) {
+      PyObject* nbytes_needed = PyLong_FromLongLong(have);
+      PyObject* checked = nbytes_needed ? PyObject_CallMethodOneArg(session, s_check_budget, nbytes_needed) : nullptr;
+      Py_XDECREF(nbytes_needed);
       if (checked == nullptr) goto done;
       Py_DECREF(checked);
     }
   }
   if (PyObject_SetItem(storages, id_obj, storage) < 0) goto done;
-  if (add_to_int_attr(session, s_bytes_in_use, have, &in_use) < 0) goto done;
-  {
-    PyObject* peak = PyObject_GetAttr(session, s_peak_bytes);
-    if (peak == nullptr) goto done;
-    const long long peak_bytes = PyLong_AsLongLong(peak);
-    Py_DECREF(peak);
-    if (peak_bytes == -1 && PyErr_Occurred()) goto done;
-    if (in_use > peak_bytes) {
-      PyObject* updated = PyLong_FromLongLong(in_use);
-      if (updated == nullptr || PyObject_SetAttr(session, s_peak_bytes, updated) < 0) {
-        Py_XDECREF(updated);
-        goto done;
-      }
-      Py_DECREF(updated);
-    }
-  }
+  in_use += have;
+  if (write_int_attr(session, s_bytes_in_use, in_use) < 0 || read_int_attr(session, s_peak_bytes, &peak) < 0) goto done;
+  if (in_use > peak && write_int_attr(session, s_peak_bytes, in_use) < 0) goto done;
   if (have && PySet_Add(live, ptr_obj) < 0) goto done;
   // the client names this result next by the descriptor of exactly this layout (Session._adopt)
   if (!impl->requires_grad()) {
