@@ -5,7 +5,7 @@ when it is used. What crosses this boundary: a C++ source file in, a loaded exte
 (or an exception saying why not) out.
 
 Each helper is built once per machine, source, torch build and Python build with the system's
-C++ compiler against torch's c10 and Python's headers (a few seconds) into
+C++ compiler against torch's c10, dispatcher and Python headers (a few seconds) into
 ``$GPUWIRE_CACHE_DIR`` (default ``~/.cache/gpuwire``). ``GPUWIRE_NATIVE=0`` turns them all off.
 
 Why by hand: no library builds a small extension with less (torch's ``cpp_extension.load``
@@ -61,7 +61,7 @@ def build(source: Path, target: Path) -> None:
     command = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC",
                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                *(f"-I{path}" for path in (*include_paths(), sysconfig.get_paths()["include"])), str(source),
-               f"-L{torch_lib}", "-lc10", f"-Wl,-rpath,{torch_lib}", "-o", partial]
+               f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}", "-o", partial]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:

@@ -112,3 +112,47 @@ def test_native_descriptors_are_the_bytes_python_packs(device):
     with pytest.raises(wire.HostTensorArgument):
         native.module.encode_default(torch.ones(2))
     assert msgpack.unpackb(native.module.encode_default(big[200:]).data)[1] == 200 * 70000
+
+
+def _kernel_source(qualified: str) -> str:
+    return next(line for line in torch._C._dispatch_dump_table(qualified).splitlines() if line.startswith("PrivateUse1:"))
+
+
+@needs_a_compiler
+def test_view_ops_run_in_cpp_and_give_what_cpu_gives(device):
+    from gpuwire.client import device as client_device
+    assert native.install()
+    # the ops whose Python kernel redispatched to CPU's metadata kernel now have the C++ one
+    for qualified in ("aten::view", "aten::as_strided", "aten::unfold", "aten::_reshape_alias",
+                      "aten::view_as_real", "aten::set_.source_Storage_storage_offset"):
+        assert "native.cpp" in _kernel_source(qualified), qualified
+    assert "device.py" in _kernel_source("aten::add.Tensor")  # (ops with work to send stay Python's)
+    assert client_device._view_library is None
+
+    base = torch.arange(48, dtype=torch.float32).reshape(6, 8)
+    remote = base.to(device)
+    cases = [
+        lambda t: t.view(-1), lambda t: t.view(2, 3, 8), lambda t: t.t(), lambda t: t[1:, 2:].as_strided((2, 3), (1, 4), 5),
+        lambda t: t.unfold(1, 3, 2), lambda t: t.reshape(8, 6), lambda t: t.view(torch.int32), lambda t: t[:, 1],
+        lambda t: t.split(3, dim=1)[2], lambda t: t.unsqueeze(0).expand(2, 6, 8), lambda t: t.permute(1, 0)[::2],
+        lambda t: torch.view_as_real(t.to(torch.complex64)), lambda t: t.diagonal(offset=1),
+    ]
+    for case in cases:
+        want, got = case(base), case(remote)
+        assert got.device == remote.device and (got.shape, got.stride(), got.storage_offset()) == \
+            (want.shape, want.stride(), want.storage_offset())
+        assert torch.equal(got.cpu(), want)
+    view = remote.view(-1)[5:9]
+    view.fill_(-1.0)  # (a view shares its base's memory)
+    assert torch.equal(remote.cpu().view(-1)[5:9], torch.full((4,), -1.0))
+    with pytest.raises(RuntimeError) as remote_error:
+        remote.t().view(-1)
+    with pytest.raises(RuntimeError) as local_error:
+        base.t().view(-1)
+    assert str(remote_error.value) == str(local_error.value)
+    # gradients through views, on autograd's device thread
+    x = torch.randn(4, 6, requires_grad=True)
+    y = x.detach().to(device).requires_grad_()
+    for t in (x, y):
+        (t.view(6, 4).t().unfold(0, 2, 1) * torch.arange(3.0).view(3, 1, 1).to(t.device)).sum().backward()
+    assert torch.equal(y.grad.cpu(), x.grad)

@@ -1,8 +1,11 @@
-// gpuwire's native client helpers (see native.py): the device guard, and the wire descriptors
-// of gpuwire tensors, read straight from their TensorImpl. Only c10 and Python headers: the
-// module builds in seconds against any torch.
+// gpuwire's native client helpers (see native.py): the device guard, the wire descriptors of
+// gpuwire tensors, read straight from their TensorImpl, and the kernels of view ops. Only c10,
+// the dispatcher's and Python's headers: the module builds in seconds against any torch.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
 
 #include <c10/core/Stream.h>
 #include <c10/core/TensorImpl.h>
@@ -53,6 +56,46 @@ GpuwireGuard guard;
 PyObject* install_guard(PyObject*, PyObject*) {
   c10::impl::device_guard_impl_registry[static_cast<size_t>(kType)].store(&guard);
   return PyLong_FromLong(static_cast<long>(guard.type()));
+}
+
+// ------------------------------------------------------------------ view kernels
+
+// A view is metadata over its input's storage, so CPU's kernel makes it for a gpuwire tensor
+// too: the Python kernel these replace redispatched to it as well, through the GIL and a Python
+// call (on autograd's device thread too), for the most frequent ops of all.
+void view_on_cpu_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+}
+
+// never freed: the registrations last as long as the process (no teardown-order questions)
+torch::Library* view_library = nullptr;
+
+// register_views(["view", "split.Tensor", ...]): this kernel for each aten op, at PrivateUse1
+PyObject* register_views(PyObject*, PyObject* names) {
+  PyObject* seq = PySequence_Fast(names, "register_views takes a list of op names");
+  if (!seq) return nullptr;
+  std::vector<std::string> wanted;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+    const char* name = PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(seq, i));
+    if (!name) {
+      Py_DECREF(seq);
+      return nullptr;
+    }
+    wanted.emplace_back(name);
+  }
+  Py_DECREF(seq);
+  try {
+    if (!view_library) {
+      view_library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+    }
+    for (const std::string& name : wanted) {
+      view_library->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunction<&view_on_cpu_kernel>());
+    }
+  } catch (const std::exception& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
 }
 
 // ------------------------------------------------------------------ tensor descriptors
@@ -217,6 +260,7 @@ PyMethodDef methods[] = {
     {"encode_default", encode_default, METH_O, "msgpack default hook: gpuwire tensors natively."},
     {"encode_device_tensors", encode_device_tensors, METH_O, "(key, encoded, storage ids) of a tensor list, or None."},
     {"scalar_type", gpuwire_common::scalar_type, METH_O, "The c10::ScalarType number of a tensor's dtype."},
+    {"register_views", register_views, METH_O, "Register the C++ view kernel for these aten ops at PrivateUse1."},
     {nullptr, nullptr, 0, nullptr},
 };
 
