@@ -1199,7 +1199,6 @@ def _register_direct(aten_library) -> None:
     computed = torch._C._dispatch_get_computed_kernel_for_dispatch_key
     tracing = os.environ.get("GPUWIRE_TRACE", "") not in ("", "0")
     special = {_op_name(op) for op in SPECIAL}
-    local = {_op_name(op) for op, plan in SPECIAL.items() if plan is _local}
     for qualified in torch._C._dispatch_get_all_op_names():
         if not qualified.startswith("aten::"):
             continue
