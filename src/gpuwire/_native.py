@@ -61,7 +61,7 @@ def build(source: Path, target: Path) -> None:
     command = [os.environ.get("CXX", "c++"), "-O2", "-std=c++17", "-shared", "-fPIC",
                f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                *(f"-I{path}" for path in (*include_paths(), sysconfig.get_paths()["include"])), str(source),
-               f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}", "-o", partial]
+               f"-L{torch_lib}", "-lc10", "-ltorch_cpu", "-ltorch_python", f"-Wl,-rpath,{torch_lib}", "-o", partial]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:

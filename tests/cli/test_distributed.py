@@ -5,6 +5,7 @@ Collective libraries read device memory directly, so gpuwire stages each collect
 the host (``client.distributed``); ``init_process_group("nccl")`` under ``gpuwire run`` (NCCL
 needs local GPUs) and ``"gloo"`` natively both get it for gpuwire tensors."""
 
+import glob
 import os
 import socket
 import subprocess
@@ -14,17 +15,40 @@ import textwrap
 import pytest
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process started under ``pid``, from /proc (torchrun starts its ranks in sessions of
+    their own, which a kill of the launcher's process group does not reach)."""
+    found, pending = [], [pid]
+    while pending:
+        parent = pending.pop()
+        for children in glob.glob(f"/proc/{parent}/task/*/children"):
+            try:
+                with open(children) as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            found += kids
+            pending += kids
+    return found
+
+
 def _run_job(command, timeout: float = 240, **kwargs) -> subprocess.CompletedProcess:
     """``subprocess.run`` of a launcher and the ranks it starts, in a process group of their own:
-    past ``timeout`` (under the tests' own 300 s) the whole group is killed: the ranks of a hung job
-    outlived the launcher."""
+    past ``timeout`` (under the tests' own 300 s) the launcher and every process under it are
+    killed: the ranks of a hung job outlived the launcher."""
     import signal
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             **kwargs)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        started = _descendants(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
+        for pid in started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         out, err = proc.communicate()
         raise AssertionError(f"the job did not finish in {timeout:.0f} s:\n{out[-2000:]}\n{err[-3000:]}") from None
     return subprocess.CompletedProcess(command, proc.returncode, out, err)

@@ -31,6 +31,7 @@ import torch
 from torch._C import DispatchKey, DispatchKeySet
 
 from .._memory import RecyclingHostTensors, StorageCache
+from ..protocol import codec
 from ..protocol.codec import dense_layout
 from . import checks, host_ops, mirror, native, precision, wire
 from .errors import ConnectionLost
@@ -120,6 +121,8 @@ def _set_runtime(rt: Runtime) -> None:
     if as_cpu != _infer_as_cpu:  # cached output metadata was inferred for the other device type
         _infer_as_cpu = as_cpu
         _PLANS.clear()
+        if native.module is not None:
+            native.module.clear_op_caches()
         for plan in (_conv_plan, _conv_backward_plan):
             if plan is not None:
                 plan.cache.clear()
@@ -1195,6 +1198,7 @@ class _Schema:
 def _register_direct(aten_library) -> None:
     """Give every structured op still served by the generic composite kernel, and every
     ``_foreach_`` op, a DirectPlan."""
+    global _op_library
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     computed = torch._C._dispatch_get_computed_kernel_for_dispatch_key
     tracing = os.environ.get("GPUWIRE_TRACE", "") not in ("", "0")
@@ -1217,7 +1221,75 @@ def _register_direct(aten_library) -> None:
             continue
         plan = DirectPlan(_Schema(schema), computed(qualified, DispatchKey.PrivateUse1))
         _direct_plans.append(plan)
+        kinds = None if tracing else _native_kinds(plan, schema)
+        if kinds is not None:  # (its Python kernel until the native helper takes its place)
+            if _op_library is None:
+                _op_library = torch.library.Library("aten", "IMPL")
+            _NATIVE_OPS.append((name, qualified, plan, kinds, not plan.numbers))
+            _op_library.impl(name, plan, "PrivateUse1", with_keyset=True)
+            continue
         aten_library.impl(name, _traced_direct(plan) if tracing else plan, "PrivateUse1", with_keyset=True)
+
+
+# Argument types the native op kernels key, encode and hand to Python (client/native.cpp
+# ``Kind``); Optional[...] of each too.
+_NATIVE_KINDS = {"Tensor": 0, "int": 1, "SymInt": 1, "List[int]": 2, "List[SymInt]": 2, "float": 3, "bool": 4,
+                 "number": 5, "str": 6, "ScalarType": 7}
+_NATIVE_OPS: list = []  # (name, qualified name, plan, kinds, numbers as numbers) the native kernels serve
+_op_library = None  # their Python kernels until then
+
+
+def _native_kinds(plan, schema) -> bytes | None:
+    """The native kernel's argument kinds for ``plan``'s op, or None where it does not serve
+    the op: it serves functional ops with one fresh tensor result whose arguments are all of
+    ``_NATIVE_KINDS`` (the structured ops, ``add`` to ``addmm``, that make most of a step)."""
+    if plan.inplace or plan.returns_list or plan.list_positions or plan.known_values:
+        return None
+    returns = schema.returns
+    if len(returns) != 1 or str(returns[0].real_type) != "Tensor":
+        return None
+    kinds = []
+    for argument in schema.arguments:
+        text = str(argument.real_type)
+        if text.startswith("Optional[") and text.endswith("]"):
+            text = text[len("Optional["):-1]
+        kind = _NATIVE_KINDS.get(text)
+        if kind is None:
+            return None
+        kinds.append(kind)
+    return bytes(kinds)
+
+
+_PRIVATEUSE1_KEYSET = DispatchKeySet(DispatchKey.PrivateUse1)
+
+
+def _native_learn(plan, args, kwargs):
+    """A native op kernel's call that it does not serve itself: ``plan`` runs it as its Python
+    kernel would. Returns (result, its output spec) when ``plan`` holds the spec for this call's
+    signature now (the kernel serves the next call with it), else (result, None)."""
+    result = plan(_PRIVATEUSE1_KEYSET, *args, **kwargs)
+    if plan.local or plan.numbers and _numbers_in(plan.numbers, args, kwargs):
+        return result, None
+    try:
+        specs = plan.cache.get(_call_key(args, kwargs, plan.typed, _NOTHING))
+    except TypeError:
+        return result, None
+    return result, (specs[0] if specs is not None and len(specs) == 1 else None)
+
+
+def _numbers_in(slots, args, kwargs) -> bool:
+    return any(type(args[i] if not k and i < len(args) else kwargs.get(n)) in _NUMBER_TYPES for i, n, k in slots)
+
+
+def _native_submit(name, nbytes, ref, body, out_tail):
+    """A native op kernel's message (``body``: its arguments encoded) with one fresh result of
+    ``nbytes``: numbered, its result's address reserved and tracked (``ref``: the result
+    storage's weak reference), queued. Returns the address, or None where the runtime cannot
+    take it so (the kernel then calls the op's plan, which says why)."""
+    rt = _runtime
+    if rt is None:
+        return None
+    return rt.submit_native(name, nbytes, ref, body, out_tail)
 
 
 def _traced_direct(plan):
@@ -2045,8 +2117,8 @@ def _register_fallback_ops(aten_library, tracing: bool) -> None:
                         _VIEW_OPS.append(name)
                     library.impl(name, _per_op_kernel(qualified, tracing), "PrivateUse1")
                 break
-    if _view_library is not None and native.module is not None:
-        use_native_views(native.module)
+    if native.module is not None:
+        use_native_kernels(native.module)
 
 
 # Ops whose plan is ``_view_plan`` or ``_local`` (a redispatch to CPU's metadata-only kernel):
@@ -2068,22 +2140,35 @@ def _is_view_schema(qualified: str) -> bool:
         and not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
-def use_native_views(loaded) -> None:
-    """Replace the Python kernels of view ops with ``loaded``'s C++ ones, which redispatch to
-    CPU's kernel as ``_view_plan`` does, without the GIL and a Python call (3.3 -> 1.2 us a
-    ``view``). Idempotent; if the C++ registration fails the Python kernels are put back."""
-    global _view_library
+def use_native_kernels(loaded) -> None:
+    """Replace the Python kernels of view ops and of ``_NATIVE_OPS`` with ``loaded``'s C++ ones
+    (client/native.cpp): a view redispatches to CPU's kernel as ``_view_plan`` does, without the
+    GIL and a Python call (3.3 -> 1.2 us a ``view``); an op whose call signature its plan has
+    served is sent from C++ (``_native_submit``), any other call goes to the plan
+    (``_native_learn``). Idempotent; if the C++ registration fails the Python kernels are put
+    back."""
+    global _view_library, _op_library
     library, _view_library = _view_library, None
-    if library is None:
-        return
-    library._destroy()
-    try:
-        loaded.register_views(_VIEW_OPS)
-    except RuntimeError as exc:  # (the dispatcher refused one: views stay correct, only slower)
-        _view_library = torch.library.Library("aten", "IMPL")
-        for name in _VIEW_OPS:
-            _view_library.impl(name, _per_op_kernel(f"aten::{name}", False), "PrivateUse1")
-        logging.getLogger("gpuwire").warning("gpuwire: view ops stay on their Python kernels: %s", exc)
+    if library is not None:
+        library._destroy()
+        try:
+            loaded.register_views(_VIEW_OPS)
+        except RuntimeError as exc:  # (the dispatcher refused one: views stay correct, only slower)
+            _view_library = torch.library.Library("aten", "IMPL")
+            for name in _VIEW_OPS:
+                _view_library.impl(name, _per_op_kernel(f"aten::{name}", False), "PrivateUse1")
+            logging.getLogger("gpuwire").warning("gpuwire: view ops stay on their Python kernels: %s", exc)
+    library, _op_library = _op_library, None
+    if library is not None:
+        library._destroy()
+        try:
+            loaded.configure_ops(_native_learn, _native_submit, codec.EXT_TENSOR)
+            loaded.register_ops(_NATIVE_OPS)
+        except RuntimeError as exc:
+            _op_library = torch.library.Library("aten", "IMPL")
+            for name, _, plan, _, _ in _NATIVE_OPS:
+                _op_library.impl(name, plan, "PrivateUse1", with_keyset=True)
+            logging.getLogger("gpuwire").warning("gpuwire: ops stay on their Python kernels: %s", exc)
 
 
 def _per_op_kernel(qualified: str, tracing: bool):

@@ -5,6 +5,7 @@
 #include <Python.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/library.h>
 
 #include <c10/core/Stream.h>
@@ -14,7 +15,13 @@
 #include "../_native_common.h"
 
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <string>
+#include <unordered_map>
+#include <vector>
+
+PyObject* THPVariable_Wrap(const at::TensorBase& var);  // (libtorch_python; its header pulls in much more)
 
 namespace {
 
@@ -254,6 +261,605 @@ PyObject* configure(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// ------------------------------------------------------------------ op kernels
+
+// A functional op with one fresh result (``add.Tensor``, ``addmm``, ``mm``, ``sum.dim_IntList``
+// ...: ``device.DirectPlan``s) whose argument signature Python has already served sends one
+// message and makes one tensor; Python's plan did that through the GIL, the conversion of
+// every argument to a Python object, its signature key, and the tensor's creation, for every
+// call. Here a call whose signature C++ has learned is keyed, encoded and its tensor made in
+// C++; Python is called once, to number the message, reserve the result's address and queue it
+// (``device._native_submit``). Any other call — a new signature, an argument kind not handled
+// here, a host tensor, the runtime not ready — goes to the op's Python plan exactly as its
+// Python kernel was called (``device._native_learn``), which also says when the signature's
+// layout is known, so the next call with it takes the C++ path.
+
+// The argument kinds of a schema this handles (from ``device._NATIVE_KINDS``); Optional[...]
+// of each too (None needs no kind).
+enum Kind : uint8_t { kTensor = 0, kInt = 1, kIntList = 2, kFloat = 3, kBool = 4, kScalar = 5, kStr = 6, kScalarType = 7 };
+
+PyObject* learn_hook = nullptr;    // device._native_learn(plan, args, kwargs) -> (result, spec | None)
+PyObject* submit_hook = nullptr;   // device._native_submit(name, nbytes, weak ref, body, out tail) -> address | None
+PyObject* device_type_obj = nullptr;  // torch.device, for a Device value handed to Python
+long tensor_ext_code = 1;          // codec.EXT_TENSOR
+
+struct Spec {
+  std::vector<int64_t> sizes, strides;
+  c10::ScalarType dtype;
+  int64_t nbytes;
+  std::string out_tail;  // msgpack of [nbytes, sizes, strides, code]: the out declaration after its id
+};
+
+void pack_ext(std::string& out, int type, const std::string& data) {
+  const size_t n = data.size();
+  switch (n) {  // msgpack-python's choice: fixext where the length fits one, else ext 8/16/32
+    case 1: out.push_back('\xd4'); break;
+    case 2: out.push_back('\xd5'); break;
+    case 4: out.push_back('\xd6'); break;
+    case 8: out.push_back('\xd7'); break;
+    case 16: out.push_back('\xd8'); break;
+    default:
+      if (n < 0x100) { out.push_back('\xc7'); gpuwire_common::put_be(out, n, 1); }
+      else if (n < 0x10000) { out.push_back('\xc8'); gpuwire_common::put_be(out, n, 2); }
+      else { out.push_back('\xc9'); gpuwire_common::put_be(out, n, 4); }
+  }
+  out.push_back(static_cast<char>(type));
+  out += data;
+}
+
+void pack_str(std::string& out, const std::string& s) {
+  const size_t n = s.size();
+  if (n < 32) out.push_back(static_cast<char>(0xa0 | n));
+  else if (n < 0x100) { out.push_back('\xd9'); gpuwire_common::put_be(out, n, 1); }
+  else if (n < 0x10000) { out.push_back('\xda'); gpuwire_common::put_be(out, n, 2); }
+  else { out.push_back('\xdb'); gpuwire_common::put_be(out, n, 4); }
+  out += s;
+}
+
+void pack_double(std::string& out, double v) {
+  uint64_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  out.push_back('\xcb');
+  gpuwire_common::put_be(out, bits, 8);
+}
+
+template <typename T>
+void put_raw(std::string& out, T v) {
+  out.append(reinterpret_cast<const char*>(&v), sizeof v);
+}
+
+// A gpuwire tensor this path may describe (as ``gpuwire_impl`` accepts a Python one), or nullptr
+c10::TensorImpl* plain_gpuwire(const at::Tensor& t) {
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  const c10::DispatchKeySet keys = impl->key_set();
+  if (!keys.has(c10::DispatchKey::PrivateUse1) || keys.has(c10::DispatchKey::Python) ||
+      impl->layout() != c10::kStrided || !impl->has_storage() || impl->has_symbolic_sizes_strides()) {
+    return nullptr;
+  }
+  const auto st = static_cast<int>(impl->dtype().toScalarType());
+  return st >= 0 && st < kScalarTypes && dtype_codes[st] >= 0 ? impl : nullptr;
+}
+
+bool is_wrapped_number(const at::Tensor& t) {
+  return t.unsafeGetTensorImpl()->is_wrapped_number() && t.device().is_cpu();
+}
+
+// 'f', 'i', 'b' for a wrapped number of a floating, integral or boolean type; 0 otherwise
+char number_category(c10::ScalarType st) {
+  if (st == c10::ScalarType::Bool) return 'b';
+  if (c10::isIntegralType(st, false)) return 'i';
+  if (c10::isFloatingType(st)) return 'f';
+  return 0;
+}
+
+bool concrete_int(const c10::IValue& v, int64_t& out) {
+  if (v.isInt()) { out = v.toInt(); return true; }
+  if (v.isSymInt()) {
+    auto value = v.toSymInt().maybe_as_int();
+    if (!value) return false;
+    out = *value;
+    return true;
+  }
+  return false;
+}
+
+bool int_list(const c10::IValue& v, std::vector<int64_t>& out) {
+  if (v.isIntList()) { out = v.toIntVector(); return true; }
+  if (!v.isList()) return false;
+  for (const c10::IValue& item : v.toListRef()) {
+    int64_t value;
+    if (!concrete_int(item, value)) return false;
+    out.push_back(value);
+  }
+  return true;
+}
+
+struct OpKernel final : public c10::OperatorKernel {
+  PyObject* plan;   // the op's device.DirectPlan (kept alive by device._NATIVE_OPS)
+  PyObject* name;   // "aten::add.Tensor"
+  bool numbers_as_numbers;  // a wrapped number goes as a Python number (ops allowing numbers as tensors)
+  std::vector<Kind> kinds;
+  std::unordered_map<std::string, std::shared_ptr<const Spec>> cache;
+
+  // The signature of a call (what decides the result's layout, as ``device._call_key`` reads
+  // it: a tensor's dtype, sizes and strides, a number in a Scalar or Tensor slot by its kind,
+  // any other value by value); false for a call this path does not take.
+  bool key(const c10::ArrayRef<c10::IValue> args, std::string& out) const {
+    for (size_t i = 0; i < args.size(); ++i) {
+      const c10::IValue& v = args[i];
+      if (v.isNone()) { out.push_back('N'); continue; }
+      switch (kinds[i]) {
+        case kTensor: {
+          if (!v.isTensor()) return false;
+          const at::Tensor& t = v.toTensor();
+          if (!t.defined()) { out.push_back('N'); break; }
+          if (is_wrapped_number(t)) {
+            const char category = number_category(t.scalar_type());
+            if (!numbers_as_numbers || category == 0) return false;
+            out.push_back(category);
+            break;
+          }
+          c10::TensorImpl* impl = plain_gpuwire(t);
+          if (impl == nullptr) return false;
+          out.push_back('T');
+          out.push_back(static_cast<char>(impl->dtype().toScalarType()));
+          const auto sizes = impl->sizes();
+          const auto strides = impl->strides();
+          put_raw<uint8_t>(out, static_cast<uint8_t>(sizes.size()));
+          for (auto s : sizes) put_raw(out, s);
+          for (auto s : strides) put_raw(out, s);
+          break;
+        }
+        case kInt: {
+          int64_t value;
+          if (!concrete_int(v, value)) return false;
+          out.push_back('I');
+          put_raw(out, value);
+          break;
+        }
+        case kIntList: {
+          std::vector<int64_t> values;
+          if (!int_list(v, values)) return false;
+          out.push_back('L');
+          put_raw<uint32_t>(out, static_cast<uint32_t>(values.size()));
+          for (auto value : values) put_raw(out, value);
+          break;
+        }
+        case kFloat:
+          if (!v.isDouble()) return false;
+          out.push_back('D');
+          put_raw(out, v.toDouble());
+          break;
+        case kBool:
+          if (!v.isBool()) return false;
+          out.push_back(v.toBool() ? 'Y' : 'n');
+          break;
+        case kScalar:  // by kind alone, as Python keys it
+          if (v.isDouble()) out.push_back('f');
+          else if (v.isBool()) out.push_back('b');
+          else if (v.isInt()) out.push_back('i');
+          else return false;
+          break;
+        case kStr: {
+          if (!v.isString()) return false;
+          const std::string& s = v.toStringRef();
+          out.push_back('S');
+          put_raw<uint32_t>(out, static_cast<uint32_t>(s.size()));
+          out += s;
+          break;
+        }
+        case kScalarType: {
+          if (!v.isInt()) return false;
+          const int64_t st = v.toInt();
+          if (st < 0 || st >= kScalarTypes || dtype_codes[st] < 0) return false;
+          out.push_back('Z');
+          out.push_back(static_cast<char>(st));
+          break;
+        }
+        default:
+          return false;
+      }
+    }
+    return true;
+  }
+
+  // One argument's msgpack, as the Python plan's message packs the Python object its kernel got
+  static void encode_value(Kind kind, const c10::IValue& v, std::string& out) {
+    if (v.isNone()) { out.push_back('\xc0'); return; }
+    switch (kind) {
+      case kTensor: {
+        const at::Tensor& t = v.toTensor();
+        if (!t.defined()) { out.push_back('\xc0'); return; }
+        if (is_wrapped_number(t)) {
+          const auto st = t.scalar_type();
+          if (st == c10::ScalarType::Bool) out.push_back(t.item<bool>() ? '\xc3' : '\xc2');
+          else if (c10::isIntegralType(st, false)) pack_int(out, t.item<int64_t>());
+          else pack_double(out, t.item<double>());
+          return;
+        }
+        std::string descriptor;
+        describe(t.unsafeGetTensorImpl(), descriptor);
+        pack_ext(out, static_cast<int>(tensor_ext_code), descriptor);
+        return;
+      }
+      case kInt: {
+        int64_t value = 0;
+        concrete_int(v, value);
+        pack_int(out, value);
+        return;
+      }
+      case kIntList: {
+        std::vector<int64_t> values;
+        int_list(v, values);
+        pack_array_header(out, values.size());
+        for (auto value : values) pack_int(out, value);
+        return;
+      }
+      case kFloat: pack_double(out, v.toDouble()); return;
+      case kBool: out.push_back(v.toBool() ? '\xc3' : '\xc2'); return;
+      case kScalar:
+        if (v.isDouble()) pack_double(out, v.toDouble());
+        else if (v.isBool()) out.push_back(v.toBool() ? '\xc3' : '\xc2');
+        else pack_int(out, v.toInt());
+        return;
+      case kStr: pack_str(out, v.toStringRef()); return;
+      case kScalarType: {  // ExtType(EXT_DTYPE, bytes([code])), as wire._DTYPE_EXT
+        out.push_back('\xd4');
+        out.push_back('\x02');
+        out.push_back(static_cast<char>(dtype_codes[v.toInt()]));
+        return;
+      }
+    }
+  }
+
+  // (arguments given positionally, first keyword-only argument): the split PyTorch makes when it
+  // hands a call to a Python kernel (``parseIValuesToPyArgsKwargs``): trailing positional
+  // arguments equal to their defaults are left out, and keyword-only ones equal to theirs
+  static size_t positional_count(const c10::FunctionSchema& schema, c10::ArrayRef<c10::IValue> args, size_t& kwarg_start) {
+    const auto& arguments = schema.arguments();
+    size_t k = args.size();
+    while (k > 0 && arguments[k - 1].kwarg_only()) --k;
+    kwarg_start = k;
+    size_t p = k;
+    while (p > 0 && is_default(arguments[p - 1], args[p - 1])) --p;
+    return p;
+  }
+
+  static bool is_default(const c10::Argument& argument, const c10::IValue& value) {
+    const auto& fallback_value = argument.default_value();
+    return fallback_value.has_value() && *fallback_value == value;
+  }
+
+  // msgpack of (args, kwargs) as the Python plan's message has them
+  void encode_call(const c10::FunctionSchema& schema, c10::ArrayRef<c10::IValue> args, std::string& out) const {
+    size_t kwarg_start;
+    const size_t positional = positional_count(schema, args, kwarg_start);
+    pack_array_header(out, positional);
+    for (size_t i = 0; i < positional; ++i) encode_value(kinds[i], args[i], out);
+    std::vector<size_t> keywords;
+    for (size_t i = kwarg_start; i < args.size(); ++i) {
+      if (!is_default(schema.arguments()[i], args[i])) keywords.push_back(i);
+    }
+    if (keywords.size() < 16) {
+      out.push_back(static_cast<char>(0x80 | keywords.size()));
+    } else {
+      out.push_back('\xde');
+      gpuwire_common::put_be(out, keywords.size(), 2);
+    }
+    for (size_t i : keywords) {
+      pack_str(out, schema.arguments()[i].name());
+      encode_value(kinds[i], args[i], out);
+    }
+  }
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    const c10::FunctionSchema& schema = op.schema();
+    const size_t n = schema.arguments().size();
+    GilHolder gil;
+    const auto args = torch::jit::last(*stack, n);
+    std::string signature;
+    bool keyed = kinds.size() == n && key(args, signature);
+    if (keyed) {
+      auto found = cache.find(signature);
+      if (found != cache.end()) {
+        std::shared_ptr<const Spec> spec = found->second;  // (a Python call below may clear the cache)
+        if (submit(schema, args, *spec, stack)) return;
+        keyed = false;  // (Python declined: the general path, and nothing to learn)
+      }
+    }
+    call_python(schema, args, stack, keyed ? &signature : nullptr);
+  }
+
+  // The C++ path: true with the result on the stack, false where Python declines the call
+  bool submit(const c10::FunctionSchema& schema, c10::ArrayRef<c10::IValue> args, const Spec& spec,
+              torch::jit::Stack* stack) const {
+    std::string body;
+    body.reserve(256);
+    encode_call(schema, args, body);
+    const c10::Device device(c10::DeviceType::PrivateUse1, 0);
+    auto storage = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), c10::SymInt(spec.nbytes),
+                                                         c10::DataPtr(nullptr, device), nullptr, false);
+    c10::StorageImpl* weak = c10::raw::intrusive_ptr::make_weak(storage.get());  // runtime._live's reference
+    PyObject* address = nullptr;
+    {
+      PyObject* ref = PyLong_FromVoidPtr(weak);
+      PyObject* nbytes = PyLong_FromLongLong(spec.nbytes);
+      PyObject* body_bytes = PyBytes_FromStringAndSize(body.data(), static_cast<Py_ssize_t>(body.size()));
+      PyObject* tail = PyBytes_FromStringAndSize(spec.out_tail.data(), static_cast<Py_ssize_t>(spec.out_tail.size()));
+      if (ref && nbytes && body_bytes && tail) {
+        PyObject* call_args[] = {name, nbytes, ref, body_bytes, tail};
+        address = PyObject_Vectorcall(submit_hook, call_args, 5, nullptr);
+      }
+      Py_XDECREF(ref);
+      Py_XDECREF(nbytes);
+      Py_XDECREF(body_bytes);
+      Py_XDECREF(tail);
+    }
+    if (address == Py_None) {
+      c10::raw::weak_intrusive_ptr::decref(weak);  // (not kept: the runtime declined the op)
+      Py_DECREF(address);
+      return false;
+    }
+    if (address == nullptr) throw_python_error();  // (``weak`` may be kept by then: not released)
+    const auto pointer = PyLong_AsVoidPtr(address);
+    Py_DECREF(address);
+    if (pointer == nullptr && PyErr_Occurred()) throw_python_error();
+    storage->set_data_ptr_noswap(c10::DataPtr(pointer, device));
+    auto result = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(std::move(storage)),
+                                                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                                           caffe2::TypeMeta::fromScalarType(spec.dtype));
+    result.unsafeGetTensorImpl()->set_sizes_and_strides(spec.sizes, spec.strides);
+    torch::jit::drop(*stack, args.size());
+    stack->emplace_back(std::move(result));
+    return true;
+  }
+
+  // The op's Python plan, called as PyTorch calls a Python kernel; learns the signature's layout
+  // when Python has it cached (``signature`` given)
+  void call_python(const c10::FunctionSchema& schema, c10::ArrayRef<c10::IValue> args, torch::jit::Stack* stack,
+                   const std::string* signature) {
+    size_t kwarg_start;
+    const size_t positional = positional_count(schema, args, kwarg_start);
+    PyObject* py_args = PyTuple_New(static_cast<Py_ssize_t>(positional));
+    PyObject* py_kwargs = PyDict_New();
+    bool ok = py_args && py_kwargs;
+    for (size_t i = 0; ok && i < positional; ++i) {
+      PyObject* value = to_python(kinds[i], args[i]);
+      ok = value != nullptr;
+      if (ok) PyTuple_SET_ITEM(py_args, static_cast<Py_ssize_t>(i), value);
+    }
+    for (size_t i = kwarg_start; ok && i < args.size(); ++i) {
+      if (is_default(schema.arguments()[i], args[i])) continue;
+      PyObject* value = to_python(kinds[i], args[i]);
+      ok = value != nullptr && PyDict_SetItemString(py_kwargs, schema.arguments()[i].name().c_str(), value) == 0;
+      Py_XDECREF(value);
+    }
+    PyObject* answer = nullptr;
+    if (ok) {
+      PyObject* call_args[] = {plan, py_args, py_kwargs};
+      answer = PyObject_Vectorcall(learn_hook, call_args, 3, nullptr);
+    }
+    Py_XDECREF(py_args);
+    Py_XDECREF(py_kwargs);
+    if (answer == nullptr) throw_python_error();
+    PyObject* result = PyTuple_Check(answer) && PyTuple_GET_SIZE(answer) == 2 ? PyTuple_GET_ITEM(answer, 0) : nullptr;
+    at::Tensor tensor;
+    if (result == nullptr || !tensor_of(result, tensor)) {
+      Py_DECREF(answer);
+      throw std::runtime_error("gpuwire: a plan's kernel returned something other than one tensor");
+    }
+    PyObject* spec = PyTuple_GET_ITEM(answer, 1);
+    if (signature != nullptr && spec != Py_None) remember(*signature, spec);
+    Py_DECREF(answer);
+    if (PyErr_Occurred()) throw_python_error();
+    torch::jit::drop(*stack, args.size());
+    stack->emplace_back(std::move(tensor));
+  }
+
+  // spec: (sizes, strides, dtype, code, nbytes), as device.output_spec gives it
+  void remember(const std::string& signature, PyObject* spec) {
+    PyObject *sizes, *strides, *dtype;
+    int code;
+    long long nbytes;
+    if (!PyTuple_Check(spec) || !PyArg_ParseTuple(spec, "OOOiL", &sizes, &strides, &dtype, &code, &nbytes)) {
+      PyErr_Clear();  // (not a spec: nothing learned)
+      return;
+    }
+    auto entry = std::make_shared<Spec>();
+    if (!read_ints(sizes, entry->sizes) || !read_ints(strides, entry->strides) || code < 0) return;
+    int st = -1;
+    for (int i = 0; i < kScalarTypes; ++i) {
+      if (dtype_objects[i] == dtype && dtype_codes[i] == code) st = i;
+    }
+    if (st < 0 || entry->sizes.size() != entry->strides.size()) return;
+    entry->dtype = static_cast<c10::ScalarType>(st);
+    entry->nbytes = nbytes;
+    pack_int(entry->out_tail, nbytes);
+    pack_array_header(entry->out_tail, entry->sizes.size());
+    for (auto s : entry->sizes) pack_int(entry->out_tail, s);
+    pack_array_header(entry->out_tail, entry->strides.size());
+    for (auto s : entry->strides) pack_int(entry->out_tail, s);
+    pack_int(entry->out_tail, code);
+    if (cache.size() >= 4096) cache.clear();  // (a program making endless new shapes)
+    cache[signature] = std::move(entry);
+  }
+
+  static bool read_ints(PyObject* seq, std::vector<int64_t>& out) {
+    if (!PyTuple_Check(seq)) return false;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(seq); ++i) {
+      const long long value = PyLong_AsLongLong(PyTuple_GET_ITEM(seq, i));
+      if (value == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return false;
+      }
+      out.push_back(value);
+    }
+    return true;
+  }
+
+  // The Python object a Python kernel gets for an argument (new reference; nullptr with an error)
+  static PyObject* to_python(Kind kind, const c10::IValue& v) {
+    if (v.isNone()) Py_RETURN_NONE;
+    if (v.isTensor()) {
+      const at::Tensor& t = v.toTensor();
+      if (!t.defined()) Py_RETURN_NONE;
+      if (is_wrapped_number(t)) {  // a Python number, as PyTorch hands one to a Python kernel
+        const auto st = t.scalar_type();
+        if (st == c10::ScalarType::Bool) return PyBool_FromLong(t.item<bool>());
+        if (c10::isIntegralType(st, false)) return PyLong_FromLongLong(t.item<int64_t>());
+        if (c10::isComplexType(st)) {
+          const auto z = t.item<c10::complex<double>>();
+          return PyComplex_FromDoubles(z.real(), z.imag());
+        }
+        return PyFloat_FromDouble(t.item<double>());
+      }
+      return THPVariable_Wrap(t);
+    }
+    if (kind == kScalarType && v.isInt()) {
+      const int64_t st = v.toInt();
+      if (st >= 0 && st < kScalarTypes && dtype_objects[st] != nullptr) {
+        Py_INCREF(dtype_objects[st]);
+        return dtype_objects[st];
+      }
+    }
+    if (v.isInt()) return PyLong_FromLongLong(v.toInt());
+    if (v.isSymInt()) {
+      auto value = v.toSymInt().maybe_as_int();
+      if (value) return PyLong_FromLongLong(*value);
+      PyErr_SetString(PyExc_TypeError, "symbolic sizes cannot be sent to a gpuwire node");
+      return nullptr;
+    }
+    if (v.isDouble()) return PyFloat_FromDouble(v.toDouble());
+    if (v.isBool()) return PyBool_FromLong(v.toBool());
+    if (v.isComplexDouble()) {
+      const auto z = v.toComplexDouble();
+      return PyComplex_FromDoubles(z.real(), z.imag());
+    }
+    if (v.isString()) return PyUnicode_FromStringAndSize(v.toStringRef().data(), static_cast<Py_ssize_t>(v.toStringRef().size()));
+    if (v.isIntList() || v.isList()) {
+      std::vector<int64_t> values;
+      if (!int_list(v, values)) {
+        PyErr_SetString(PyExc_TypeError, "gpuwire: a list argument of a kind the native kernel does not convert");
+        return nullptr;
+      }
+      PyObject* list = PyList_New(static_cast<Py_ssize_t>(values.size()));
+      for (size_t i = 0; list && i < values.size(); ++i) {
+        PyObject* item = PyLong_FromLongLong(values[i]);
+        if (!item) { Py_CLEAR(list); break; }
+        PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), item);
+      }
+      return list;
+    }
+    PyErr_Format(PyExc_TypeError, "gpuwire: an argument of type %s the native kernel does not convert", v.tagKind().c_str());
+    return nullptr;
+  }
+
+  static bool tensor_of(PyObject* obj, at::Tensor& out) {
+    if (tensor_type == nullptr || !PyObject_TypeCheck(obj, reinterpret_cast<PyTypeObject*>(tensor_type))) return false;
+    PyObject* cdata = PyObject_GetAttr(obj, cdata_name);
+    if (cdata == nullptr) return false;
+    auto* impl = static_cast<c10::TensorImpl*>(PyLong_AsVoidPtr(cdata));
+    Py_DECREF(cdata);
+    if (impl == nullptr) return false;
+    out = at::Tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim_copy(impl));
+    return true;
+  }
+
+  [[noreturn]] static void throw_python_error() {
+    python_error error;
+    error.persist();  // (raised again on the caller's thread: autograd's device thread hands it over)
+    throw error;
+  }
+
+  struct GilHolder {
+    PyGILState_STATE state = PyGILState_Ensure();
+    ~GilHolder() { PyGILState_Release(state); }
+  };
+};
+
+std::vector<OpKernel*> op_kernels;        // every registered kernel (cleared together)
+torch::Library* op_library = nullptr;     // never freed, as view_library
+
+// configure_ops(learn, submit, EXT_TENSOR)
+PyObject* configure_ops(PyObject*, PyObject* args) {
+  PyObject *learn, *submit;
+  long code;
+  if (!PyArg_ParseTuple(args, "OOl", &learn, &submit, &code)) return nullptr;
+  Py_XDECREF(learn_hook);
+  Py_XDECREF(submit_hook);
+  Py_INCREF(learn);
+  Py_INCREF(submit);
+  learn_hook = learn;
+  submit_hook = submit;
+  tensor_ext_code = code;
+  Py_RETURN_NONE;
+}
+
+// register_ops([(name, qualified name, plan, kinds: bytes, numbers as numbers), ...])
+PyObject* register_ops(PyObject*, PyObject* entries) {
+  if (learn_hook == nullptr || tensor_type == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, "configure and configure_ops first");
+    return nullptr;
+  }
+  PyObject* seq = PySequence_Fast(entries, "register_ops takes a list");
+  if (!seq) return nullptr;
+  struct Pending { std::string name; std::unique_ptr<OpKernel> kernel; };
+  std::vector<Pending> pending;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+    const char *name, *kinds;
+    Py_ssize_t kinds_size;
+    PyObject *qualified, *plan;
+    int numbers;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "sOOy#p", &name, &qualified, &plan, &kinds, &kinds_size, &numbers)) {
+      Py_DECREF(seq);
+      return nullptr;
+    }
+    auto kernel = std::make_unique<OpKernel>();
+    Py_INCREF(plan);
+    Py_INCREF(qualified);
+    kernel->plan = plan;
+    kernel->name = qualified;
+    kernel->numbers_as_numbers = numbers != 0;
+    for (Py_ssize_t k = 0; k < kinds_size; ++k) kernel->kinds.push_back(static_cast<Kind>(kinds[k]));
+    pending.push_back({name, std::move(kernel)});
+  }
+  Py_DECREF(seq);
+  try {
+    if (!op_library) {
+      op_library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+    }
+    for (Pending& entry : pending) {
+      op_kernels.push_back(entry.kernel.get());
+      op_library->impl(entry.name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::move(entry.kernel)));
+    }
+  } catch (const std::exception& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+// clear_op_caches(): forget every learned signature (the node's device type changed)
+PyObject* clear_op_caches(PyObject*, PyObject*) {
+  for (OpKernel* kernel : op_kernels) kernel->cache.clear();
+  Py_RETURN_NONE;
+}
+
+// op_cache_sizes() -> {qualified name: signatures learned} (for tests and diagnostics)
+PyObject* op_cache_sizes(PyObject*, PyObject*) {
+  PyObject* sizes = PyDict_New();
+  for (OpKernel* kernel : op_kernels) {
+    PyObject* count = PyLong_FromSize_t(kernel->cache.size());
+    if (!count || PyDict_SetItem(sizes, kernel->name, count) < 0) {
+      Py_XDECREF(count);
+      Py_DECREF(sizes);
+      return nullptr;
+    }
+    Py_DECREF(count);
+  }
+  return sizes;
+}
+
 PyMethodDef methods[] = {
     {"install_guard", install_guard, METH_NOARGS, "Install the C++ device guard for PrivateUse1."},
     {"configure", configure, METH_VARARGS, "Give the descriptor encoder its Python objects."},
@@ -261,6 +867,10 @@ PyMethodDef methods[] = {
     {"encode_device_tensors", encode_device_tensors, METH_O, "(key, encoded, storage ids) of a tensor list, or None."},
     {"scalar_type", gpuwire_common::scalar_type, METH_O, "The c10::ScalarType number of a tensor's dtype."},
     {"register_views", register_views, METH_O, "Register the C++ view kernel for these aten ops at PrivateUse1."},
+    {"configure_ops", configure_ops, METH_VARARGS, "Give the op kernels their Python hooks."},
+    {"register_ops", register_ops, METH_O, "Register C++ op kernels in front of these ops' Python plans."},
+    {"clear_op_caches", clear_op_caches, METH_NOARGS, "Forget every signature the op kernels learned."},
+    {"op_cache_sizes", op_cache_sizes, METH_NOARGS, "{op: signatures learned}."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -1,7 +1,7 @@
 """gpuwire's native client helpers (``native.cpp``), built on first use; Python where they cannot be.
 
 Sits under ``client/device.py`` (installed when a program first attaches to a node) and
-``client/wire.py`` (whose hooks it replaces). Three things, each measured on the hot path:
+``client/wire.py`` (whose hooks it replaces). Four things, each measured on the hot path:
 
 - **The device guard.** PyTorch asks a device's guard for the device type, the current device
   and stream many times an op: the autograd engine about six times for each backward node.
@@ -16,7 +16,12 @@ Sits under ``client/device.py`` (installed when a program first attaches to a no
   slicing call, ...) is metadata over its input's storage: its Python kernel redispatched to
   CPU's kernel, which makes it for any device. The C++ kernel does the same redispatch without
   the GIL and a Python call: 3.3 -> 1.2 us a ``view``, ~560 of them a 12-layer GPT-2 step
-  (``device.use_native_views``).
+  (``device.use_native_kernels``).
+- **Op kernels.** A functional op with one fresh result (``add``, ``mul``, ``addmm``, ``mm``,
+  ``gelu`` ...: 274 of the ``DirectPlan`` ops, most of a training step's messages) whose call
+  signature its plan has served is keyed, encoded and its result tensor made in C++; Python is
+  called once, to number and queue the message (``Runtime.submit_native``). Every other call
+  goes to the op's plan as its Python kernel was called (``device._native_learn``).
 
 Built at a program's first attach (``gpuwire/_native.py`` builds and caches it: a few seconds
 once per machine). Where it cannot be built (no compiler, no headers) the Python paths stay and
@@ -60,7 +65,7 @@ def install() -> bool:
             raise RuntimeError(f"the built guard answers device type {answered}")
         from . import device, wire
         wire.use_native(loaded)
-        device.use_native_views(loaded)  # (if the device is registered yet; else register() does)
+        device.use_native_kernels(loaded)  # (if the device is registered yet; else register() does)
 
     loaded, _failure = _native.install(SOURCE, MODULE, setup)
     if loaded is None:

@@ -428,6 +428,31 @@ class Runtime:
         if self.sync_every_op:
             self.synchronize()
 
+    def submit_native(self, name: str, nbytes: int, ref: int, body: bytes, out_tail: bytes) -> int | None:
+        """Queue op ``name`` for the client's native kernels (client/native.cpp): its arguments
+        come encoded (``body``), its one fresh result of ``nbytes`` is tracked by ``ref``.
+        Returns the result's address; None, with nothing done, where this runtime cannot take
+        the op so (dead, syncing every op, the op not yet named on this connection, the memory
+        budget reached): the kernel then takes the general path, which raises or names it."""
+        with self.lock:
+            if self._dead is not None or self.sync_every_op:
+                return None
+            budget = self.memory_budget if self.memory_budget is not None else self._device_capacity
+            if budget is not None and self.bytes_in_use + nbytes > budget:
+                return None
+            address = self._next_address
+            frame = self.conn.encode_prepared_op(self.seq + 1, name, body, address, out_tail)
+            if frame is None:
+                return None
+            self._next_address = address + ((max(nbytes, 1) + 2 * ALIGN - 1) & ~(ALIGN - 1))
+            self.seq += 1
+            self.ops_sent += 1
+            self.enqueue(frame)
+            # last: once ``ref`` is kept the kernel must not release it, whatever is raised after
+            # (a scan here may queue a Free behind the op)
+            self.track_ref(address, ref, nbytes)
+            return address
+
     def synchronize(self) -> None:
         with self.lock:
             self._collect_garbage()
@@ -524,9 +549,14 @@ class Runtime:
     def track(self, storage_id: int, storage, nbytes: int | None = None) -> None:
         """Free the remote storage once the last client tensor on it dies (batched).
         ``nbytes``: the storage's size, when the caller knows it."""
-        self._live[storage_id] = StorageRef(storage._weak_ref())
         if nbytes is None:
             nbytes = storage.nbytes()
+        self.track_ref(storage_id, storage._weak_ref(), nbytes)
+
+    def track_ref(self, storage_id: int, ref: int, nbytes: int) -> None:
+        """``track`` of a storage given by its weak reference (``UntypedStorage._weak_ref()``),
+        which the runtime now owns."""
+        self._live[storage_id] = StorageRef(ref)
         self._live_bytes[storage_id] = nbytes
         self.bytes_in_use += nbytes
         self._allocs_since_scan += 1
