@@ -179,6 +179,11 @@ OP_CASES = [
     ("empty", lambda x, y: x[:0] + y[:0]), ("int", lambda x, y: (x * 10).long() * 3 + 1),
     ("float64", lambda x, y: x.double().sin()), ("half", lambda x, y: x.half() * y.half()),
     ("bfloat16", lambda x, y: x.bfloat16().tanh()), ("bitwise", lambda x, y: (x > 0).int() & (y > 0).int()),
+    ("int sum (mirrored)", lambda x, y: (x * 10).long().sum(1)), ("float sum", lambda x, y: x.sum(1, keepdim=True)),
+    # several results
+    ("layer_norm", lambda x, y: torch.nn.functional.layer_norm(x, (5,), y[0], y[1])),
+    ("max dim", lambda x, y: x.max(1)), ("sort", lambda x, y: x.sort(1, descending=True)), ("topk", lambda x, y: x.topk(2)),
+    ("nll_loss", lambda x, y: torch.nn.functional.nll_loss(x.log_softmax(1), (y[:, 0].abs() * 3).long() % 5)),
 ]
 
 
@@ -191,8 +196,9 @@ def test_native_op_kernels_give_what_cpu_gives(device, name, case):
     want = case(x, y)
     for _ in range(3):
         got = case(x.to(device), y.to(device))
-        assert got.device.type == "gpuwire" and (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride())
-        assert torch.equal(got.cpu(), want), name
+        for g, w in zip(*((r,) if isinstance(r, torch.Tensor) else tuple(r) for r in (got, want))):
+            assert g.device.type == "gpuwire" and (g.dtype, g.shape, g.stride()) == (w.dtype, w.shape, w.stride())
+            assert torch.equal(g.cpu(), w), name
 
 
 @needs_a_compiler
@@ -210,7 +216,7 @@ def test_a_learned_signature_is_sent_from_cpp_and_anything_new_asks_python(devic
         submitted.append(args[0])
         return client_device._native_submit(*args)
 
-    native.module.configure_ops(learn, submit, wire.codec.EXT_TENSOR)
+    native.module.configure_ops(learn, submit, client_device._native_submit_many, wire.codec.EXT_TENSOR)
     native.module.clear_op_caches()  # (earlier tests in this process taught it signatures)
     try:
         x = torch.randn(3, 4, device=device)
@@ -226,7 +232,8 @@ def test_a_learned_signature_is_sent_from_cpp_and_anything_new_asks_python(devic
         with pytest.raises(RuntimeError, match="same device|cpu"):
             x * torch.ones(3, 4)  # (a host tensor: the Python path's refusal, as on CUDA)
     finally:
-        native.module.configure_ops(client_device._native_learn, client_device._native_submit, wire.codec.EXT_TENSOR)
+        native.module.configure_ops(client_device._native_learn, client_device._native_submit,
+                                    client_device._native_submit_many, wire.codec.EXT_TENSOR)
 
 
 @needs_a_compiler
@@ -274,8 +281,11 @@ def test_native_ops_refuse_past_the_memory_budget_and_train_on_the_device_thread
         rt.memory_budget = saved
     a, b = torch.randn(6, 5, requires_grad=True), torch.randn(5, 3, requires_grad=True)
     c, d = a.detach().to(device).requires_grad_(), b.detach().to(device).requires_grad_()
+    norm = torch.nn.LayerNorm(3)
+    remote_norm = torch.nn.LayerNorm(3).to(device)
     for _ in range(3):
-        for p, q in ((a, b), (c, d)):
+        for p, q, ln in ((a, b, norm), (c, d, remote_norm)):
             p.grad = q.grad = None
-            (torch.tanh(p @ q) * 0.5 + p.sum()).pow(2).mean().backward()
+            (ln(torch.tanh(p @ q)) * 0.5 + p.sum()).pow(2).mean().backward()
         assert torch.equal(c.grad.cpu(), a.grad) and torch.equal(d.grad.cpu(), b.grad)
+        assert torch.equal(remote_norm.weight.grad.cpu(), norm.weight.grad)

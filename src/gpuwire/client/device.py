@@ -1225,7 +1225,7 @@ def _register_direct(aten_library) -> None:
         if kinds is not None:  # (its Python kernel until the native helper takes its place)
             if _op_library is None:
                 _op_library = torch.library.Library("aten", "IMPL")
-            _NATIVE_OPS.append((name, qualified, plan, kinds, not plan.numbers))
+            _NATIVE_OPS.append((name, qualified, plan, kinds, len(schema.returns), not plan.numbers, plan.known_values))
             _op_library.impl(name, plan, "PrivateUse1", with_keyset=True)
             continue
         aten_library.impl(name, _traced_direct(plan) if tracing else plan, "PrivateUse1", with_keyset=True)
@@ -1235,18 +1235,24 @@ def _register_direct(aten_library) -> None:
 # ``Kind``); Optional[...] of each too.
 _NATIVE_KINDS = {"Tensor": 0, "int": 1, "SymInt": 1, "List[int]": 2, "List[SymInt]": 2, "float": 3, "bool": 4,
                  "number": 5, "str": 6, "ScalarType": 7}
-_NATIVE_OPS: list = []  # (name, qualified name, plan, kinds, numbers as numbers) the native kernels serve
+# (name, qualified name, plan, kinds, results, numbers as numbers, floating tensors only) of the
+# ops the native kernels serve
+_NATIVE_OPS: list = []
 _op_library = None  # their Python kernels until then
 
 
 def _native_kinds(plan, schema) -> bytes | None:
     """The native kernel's argument kinds for ``plan``'s op, or None where it does not serve
-    the op: it serves functional ops with one fresh tensor result whose arguments are all of
-    ``_NATIVE_KINDS`` (the structured ops, ``add`` to ``addmm``, that make most of a step)."""
-    if plan.inplace or plan.returns_list or plan.list_positions or plan.known_values:
+    the op: it serves functional ops with fresh tensor results whose arguments are all of
+    ``_NATIVE_KINDS`` (the structured ops, ``add`` to ``addmm`` and ``native_layer_norm``, that
+    make most of a step). Of the ops whose results the client mirrors (client/mirror.py) only
+    those that mirror integer sums alone, and only on floating tensors (the C++ kernel checks)."""
+    if plan.inplace or plan.returns_list or plan.list_positions:
+        return None
+    if plan.known_values and plan.name not in mirror.EXACT_ARGS_ONLY:
         return None
     returns = schema.returns
-    if len(returns) != 1 or str(returns[0].real_type) != "Tensor":
+    if not returns or any(str(r.real_type) != "Tensor" for r in returns):
         return None
     kinds = []
     for argument in schema.arguments:
@@ -1265,8 +1271,8 @@ _PRIVATEUSE1_KEYSET = DispatchKeySet(DispatchKey.PrivateUse1)
 
 def _native_learn(plan, args, kwargs):
     """A native op kernel's call that it does not serve itself: ``plan`` runs it as its Python
-    kernel would. Returns (result, its output spec) when ``plan`` holds the spec for this call's
-    signature now (the kernel serves the next call with it), else (result, None)."""
+    kernel would. Returns (result, its output specs) when ``plan`` holds the specs for this
+    call's signature now (the kernel serves the next call with it), else (result, None)."""
     result = plan(_PRIVATEUSE1_KEYSET, *args, **kwargs)
     if plan.local or plan.numbers and _numbers_in(plan.numbers, args, kwargs):
         return result, None
@@ -1274,7 +1280,7 @@ def _native_learn(plan, args, kwargs):
         specs = plan.cache.get(_call_key(args, kwargs, plan.typed, _NOTHING))
     except TypeError:
         return result, None
-    return result, (specs[0] if specs is not None and len(specs) == 1 else None)
+    return result, (specs if specs else None)
 
 
 def _numbers_in(slots, args, kwargs) -> bool:
@@ -1290,6 +1296,14 @@ def _native_submit(name, nbytes, ref, body, out_tail):
     if rt is None:
         return None
     return rt.submit_native(name, nbytes, ref, body, out_tail)
+
+
+def _native_submit_many(name, body, nbytes, refs, out_tails):
+    """``_native_submit`` of an op with several fresh results (a tuple of each): their addresses."""
+    rt = _runtime
+    if rt is None:
+        return None
+    return rt.submit_native_many(name, body, nbytes, refs, out_tails)
 
 
 def _traced_direct(plan):
@@ -2162,11 +2176,11 @@ def use_native_kernels(loaded) -> None:
     if library is not None:
         library._destroy()
         try:
-            loaded.configure_ops(_native_learn, _native_submit, codec.EXT_TENSOR)
+            loaded.configure_ops(_native_learn, _native_submit, _native_submit_many, codec.EXT_TENSOR)
             loaded.register_ops(_NATIVE_OPS)
         except RuntimeError as exc:
             _op_library = torch.library.Library("aten", "IMPL")
-            for name, _, plan, _, _ in _NATIVE_OPS:
+            for name, _, plan, *_ in _NATIVE_OPS:
                 _op_library.impl(name, plan, "PrivateUse1", with_keyset=True)
             logging.getLogger("gpuwire").warning("gpuwire: ops stay on their Python kernels: %s", exc)
 

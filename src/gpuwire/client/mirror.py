@@ -54,8 +54,8 @@ _ANY_DTYPE = frozenset({
     "aten::abs", "aten::neg",  # (``isinf`` is ``abs(x) == inf``)
 })
 # exact for integer/boolean arguments only (a float sum depends on the order of additions)
-_EXACT_ARGS_ONLY = frozenset({"aten::bitwise_not", "aten::sum", "aten::sum.dim_IntList"})
-OPS = _ANY_DTYPE | _EXACT_ARGS_ONLY
+EXACT_ARGS_ONLY = frozenset({"aten::bitwise_not", "aten::sum", "aten::sum.dim_IntList"})
+OPS = _ANY_DTYPE | EXACT_ARGS_ONLY
 # one-argument tests whose tiny argument is worth reading along with the result: Trainer's
 # ``torch.isnan(loss) or torch.isinf(loss)`` then costs one round trip, not two
 _PREDICATES = frozenset({"aten::isnan", "aten::isinf", "aten::isposinf", "aten::isneginf", "aten::signbit",

@@ -280,15 +280,18 @@ enum Kind : uint8_t { kTensor = 0, kInt = 1, kIntList = 2, kFloat = 3, kBool = 4
 
 PyObject* learn_hook = nullptr;    // device._native_learn(plan, args, kwargs) -> (result, spec | None)
 PyObject* submit_hook = nullptr;   // device._native_submit(name, nbytes, weak ref, body, out tail) -> address | None
+PyObject* submit_many_hook = nullptr;  // device._native_submit_many(name, body, nbytes, refs, tails) -> addresses | None
 PyObject* device_type_obj = nullptr;  // torch.device, for a Device value handed to Python
 long tensor_ext_code = 1;          // codec.EXT_TENSOR
 
-struct Spec {
+// One fresh result of a learned signature
+struct Out {
   std::vector<int64_t> sizes, strides;
   c10::ScalarType dtype;
   int64_t nbytes;
-  std::string out_tail;  // msgpack of [nbytes, sizes, strides, code]: the out declaration after its id
+  std::string tail;  // msgpack of [nbytes, sizes, strides, code]: its out declaration after the id
 };
+using Outs = std::vector<Out>;  // one per result of the op
 
 void pack_ext(std::string& out, int type, const std::string& data) {
   const size_t n = data.size();
@@ -378,8 +381,10 @@ struct OpKernel final : public c10::OperatorKernel {
   PyObject* plan;   // the op's device.DirectPlan (kept alive by device._NATIVE_OPS)
   PyObject* name;   // "aten::add.Tensor"
   bool numbers_as_numbers;  // a wrapped number goes as a Python number (ops allowing numbers as tensors)
+  bool floating_only;       // only floating tensors here (``sum``: the client mirrors integer sums, mirror.py)
+  size_t results = 1;
   std::vector<Kind> kinds;
-  std::unordered_map<std::string, std::shared_ptr<const Spec>> cache;
+  std::unordered_map<std::string, std::shared_ptr<const Outs>> cache;
 
   // The signature of a call (what decides the result's layout, as ``device._call_key`` reads
   // it: a tensor's dtype, sizes and strides, a number in a Scalar or Tensor slot by its kind,
@@ -401,6 +406,7 @@ struct OpKernel final : public c10::OperatorKernel {
           }
           c10::TensorImpl* impl = plain_gpuwire(t);
           if (impl == nullptr) return false;
+          if (floating_only && !c10::isFloatingType(impl->dtype().toScalarType())) return false;
           out.push_back('T');
           out.push_back(static_cast<char>(impl->dtype().toScalarType()));
           const auto sizes = impl->sizes();
@@ -562,55 +568,89 @@ struct OpKernel final : public c10::OperatorKernel {
     if (keyed) {
       auto found = cache.find(signature);
       if (found != cache.end()) {
-        std::shared_ptr<const Spec> spec = found->second;  // (a Python call below may clear the cache)
-        if (submit(schema, args, *spec, stack)) return;
+        std::shared_ptr<const Outs> outs = found->second;  // (a Python call below may clear the cache)
+        if (submit(schema, args, *outs, stack)) return;
         keyed = false;  // (Python declined: the general path, and nothing to learn)
       }
     }
     call_python(schema, args, stack, keyed ? &signature : nullptr);
   }
 
-  // The C++ path: true with the result on the stack, false where Python declines the call
-  bool submit(const c10::FunctionSchema& schema, c10::ArrayRef<c10::IValue> args, const Spec& spec,
+  // The C++ path: true with the results on the stack, false where Python declines the call
+  bool submit(const c10::FunctionSchema& schema, c10::ArrayRef<c10::IValue> args, const Outs& outs,
               torch::jit::Stack* stack) const {
     std::string body;
     body.reserve(256);
     encode_call(schema, args, body);
     const c10::Device device(c10::DeviceType::PrivateUse1, 0);
-    auto storage = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), c10::SymInt(spec.nbytes),
-                                                         c10::DataPtr(nullptr, device), nullptr, false);
-    c10::StorageImpl* weak = c10::raw::intrusive_ptr::make_weak(storage.get());  // runtime._live's reference
-    PyObject* address = nullptr;
-    {
-      PyObject* ref = PyLong_FromVoidPtr(weak);
-      PyObject* nbytes = PyLong_FromLongLong(spec.nbytes);
-      PyObject* body_bytes = PyBytes_FromStringAndSize(body.data(), static_cast<Py_ssize_t>(body.size()));
-      PyObject* tail = PyBytes_FromStringAndSize(spec.out_tail.data(), static_cast<Py_ssize_t>(spec.out_tail.size()));
+    const size_t n = outs.size();
+    std::vector<c10::intrusive_ptr<c10::StorageImpl>> storages;
+    std::vector<c10::StorageImpl*> weak;  // runtime._live's references, once it takes them
+    for (const Out& out : outs) {
+      storages.push_back(c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), c10::SymInt(out.nbytes),
+                                                               c10::DataPtr(nullptr, device), nullptr, false));
+      weak.push_back(c10::raw::intrusive_ptr::make_weak(storages.back().get()));
+    }
+    PyObject* answer = nullptr;
+    PyObject* body_bytes = PyBytes_FromStringAndSize(body.data(), static_cast<Py_ssize_t>(body.size()));
+    if (n == 1) {
+      PyObject* ref = PyLong_FromVoidPtr(weak[0]);
+      PyObject* nbytes = PyLong_FromLongLong(outs[0].nbytes);
+      PyObject* tail = PyBytes_FromStringAndSize(outs[0].tail.data(), static_cast<Py_ssize_t>(outs[0].tail.size()));
       if (ref && nbytes && body_bytes && tail) {
         PyObject* call_args[] = {name, nbytes, ref, body_bytes, tail};
-        address = PyObject_Vectorcall(submit_hook, call_args, 5, nullptr);
+        answer = PyObject_Vectorcall(submit_hook, call_args, 5, nullptr);
       }
       Py_XDECREF(ref);
       Py_XDECREF(nbytes);
-      Py_XDECREF(body_bytes);
       Py_XDECREF(tail);
+    } else {
+      PyObject* refs = PyTuple_New(static_cast<Py_ssize_t>(n));
+      PyObject* sizes = PyTuple_New(static_cast<Py_ssize_t>(n));
+      PyObject* tails = PyTuple_New(static_cast<Py_ssize_t>(n));
+      bool ok = refs && sizes && tails && body_bytes;
+      for (size_t i = 0; ok && i < n; ++i) {
+        PyObject* ref = PyLong_FromVoidPtr(weak[i]);
+        PyObject* nbytes = PyLong_FromLongLong(outs[i].nbytes);
+        PyObject* tail = PyBytes_FromStringAndSize(outs[i].tail.data(), static_cast<Py_ssize_t>(outs[i].tail.size()));
+        ok = ref && nbytes && tail;
+        if (ref) PyTuple_SET_ITEM(refs, static_cast<Py_ssize_t>(i), ref);
+        if (nbytes) PyTuple_SET_ITEM(sizes, static_cast<Py_ssize_t>(i), nbytes);
+        if (tail) PyTuple_SET_ITEM(tails, static_cast<Py_ssize_t>(i), tail);
+      }
+      if (ok) {
+        PyObject* call_args[] = {name, body_bytes, sizes, refs, tails};
+        answer = PyObject_Vectorcall(submit_many_hook, call_args, 5, nullptr);
+      }
+      Py_XDECREF(refs);
+      Py_XDECREF(sizes);
+      Py_XDECREF(tails);
     }
-    if (address == Py_None) {
-      c10::raw::weak_intrusive_ptr::decref(weak);  // (not kept: the runtime declined the op)
-      Py_DECREF(address);
+    Py_XDECREF(body_bytes);
+    if (answer == Py_None) {
+      for (c10::StorageImpl* ref : weak) c10::raw::weak_intrusive_ptr::decref(ref);  // (the runtime declined)
+      Py_DECREF(answer);
       return false;
     }
-    if (address == nullptr) throw_python_error();  // (``weak`` may be kept by then: not released)
-    const auto pointer = PyLong_AsVoidPtr(address);
-    Py_DECREF(address);
-    if (pointer == nullptr && PyErr_Occurred()) throw_python_error();
-    storage->set_data_ptr_noswap(c10::DataPtr(pointer, device));
-    auto result = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(std::move(storage)),
-                                                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
-                                                           caffe2::TypeMeta::fromScalarType(spec.dtype));
-    result.unsafeGetTensorImpl()->set_sizes_and_strides(spec.sizes, spec.strides);
+    if (answer == nullptr) throw_python_error();  // (the references may be kept by then: not released)
+    std::vector<void*> addresses;
+    if (n == 1) {
+      addresses.push_back(PyLong_AsVoidPtr(answer));
+    } else if (PyTuple_Check(answer) && static_cast<size_t>(PyTuple_GET_SIZE(answer)) == n) {
+      for (size_t i = 0; i < n; ++i) addresses.push_back(PyLong_AsVoidPtr(PyTuple_GET_ITEM(answer, static_cast<Py_ssize_t>(i))));
+    }
+    Py_DECREF(answer);
+    if (PyErr_Occurred()) throw_python_error();
+    if (addresses.size() != n) throw std::runtime_error("gpuwire: the runtime answered a native op with the wrong addresses");
     torch::jit::drop(*stack, args.size());
-    stack->emplace_back(std::move(result));
+    for (size_t i = 0; i < n; ++i) {
+      storages[i]->set_data_ptr_noswap(c10::DataPtr(addresses[i], device));
+      auto result = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(std::move(storages[i])),
+                                                             c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                                             caffe2::TypeMeta::fromScalarType(outs[i].dtype));
+      result.unsafeGetTensorImpl()->set_sizes_and_strides(outs[i].sizes, outs[i].strides);
+      stack->emplace_back(std::move(result));
+    }
     return true;
   }
 
@@ -643,45 +683,73 @@ struct OpKernel final : public c10::OperatorKernel {
     Py_XDECREF(py_kwargs);
     if (answer == nullptr) throw_python_error();
     PyObject* result = PyTuple_Check(answer) && PyTuple_GET_SIZE(answer) == 2 ? PyTuple_GET_ITEM(answer, 0) : nullptr;
-    at::Tensor tensor;
-    if (result == nullptr || !tensor_of(result, tensor)) {
-      Py_DECREF(answer);
-      throw std::runtime_error("gpuwire: a plan's kernel returned something other than one tensor");
+    std::vector<at::Tensor> tensors;
+    if (result != nullptr && results == 1) {
+      tensors.emplace_back();
+      if (!tensor_of(result, tensors.back())) tensors.clear();
+    } else if (result != nullptr && PyTuple_Check(result) && static_cast<size_t>(PyTuple_GET_SIZE(result)) == results) {
+      for (size_t i = 0; i < results; ++i) {
+        PyObject* item = PyTuple_GET_ITEM(result, static_cast<Py_ssize_t>(i));
+        tensors.emplace_back();  // (None: an undefined tensor, as PyTorch reads it)
+        if (item != Py_None && !tensor_of(item, tensors.back())) {
+          tensors.clear();
+          break;
+        }
+      }
     }
-    PyObject* spec = PyTuple_GET_ITEM(answer, 1);
-    if (signature != nullptr && spec != Py_None) remember(*signature, spec);
+    if (tensors.size() != results) {
+      Py_DECREF(answer);
+      throw std::runtime_error("gpuwire: an op's plan returned other than its schema's tensors");
+    }
+    PyObject* specs = PyTuple_GET_ITEM(answer, 1);
+    if (signature != nullptr && specs != Py_None) remember(*signature, specs);
     Py_DECREF(answer);
     if (PyErr_Occurred()) throw_python_error();
     torch::jit::drop(*stack, args.size());
-    stack->emplace_back(std::move(tensor));
+    for (at::Tensor& tensor : tensors) stack->emplace_back(std::move(tensor));
   }
 
-  // spec: (sizes, strides, dtype, code, nbytes), as device.output_spec gives it
-  void remember(const std::string& signature, PyObject* spec) {
+  // specs: one (sizes, strides, dtype, code, nbytes) per result, as device.output_spec gives it
+  void remember(const std::string& signature, PyObject* specs) {
+    auto outs = std::make_shared<Outs>();
+    PyObject* seq = PySequence_Fast(specs, "specs");
+    if (seq != nullptr && static_cast<size_t>(PySequence_Fast_GET_SIZE(seq)) == results) {
+      for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); ++i) {
+        Out out;
+        if (!read_spec(PySequence_Fast_GET_ITEM(seq, i), out)) break;
+        outs->push_back(std::move(out));
+      }
+    }
+    Py_XDECREF(seq);
+    PyErr_Clear();  // (not specs: nothing learned)
+    if (outs->size() != results) return;
+    if (cache.size() >= 4096) cache.clear();  // (a program making endless new shapes)
+    cache[signature] = std::move(outs);
+  }
+
+  static bool read_spec(PyObject* spec, Out& out) {
     PyObject *sizes, *strides, *dtype;
     int code;
     long long nbytes;
-    if (!PyTuple_Check(spec) || !PyArg_ParseTuple(spec, "OOOiL", &sizes, &strides, &dtype, &code, &nbytes)) {
-      PyErr_Clear();  // (not a spec: nothing learned)
-      return;
+    if (!PyTuple_Check(spec) || !PyArg_ParseTuple(spec, "OOOiL", &sizes, &strides, &dtype, &code, &nbytes)) return false;
+    if (!read_ints(sizes, out.sizes) || !read_ints(strides, out.strides) || code < 0 || nbytes < 0 ||
+        out.sizes.size() != out.strides.size()) {
+      return false;
     }
-    auto entry = std::make_shared<Spec>();
-    if (!read_ints(sizes, entry->sizes) || !read_ints(strides, entry->strides) || code < 0) return;
     int st = -1;
     for (int i = 0; i < kScalarTypes; ++i) {
       if (dtype_objects[i] == dtype && dtype_codes[i] == code) st = i;
     }
-    if (st < 0 || entry->sizes.size() != entry->strides.size()) return;
-    entry->dtype = static_cast<c10::ScalarType>(st);
-    entry->nbytes = nbytes;
-    pack_int(entry->out_tail, nbytes);
-    pack_array_header(entry->out_tail, entry->sizes.size());
-    for (auto s : entry->sizes) pack_int(entry->out_tail, s);
-    pack_array_header(entry->out_tail, entry->strides.size());
-    for (auto s : entry->strides) pack_int(entry->out_tail, s);
-    pack_int(entry->out_tail, code);
-    if (cache.size() >= 4096) cache.clear();  // (a program making endless new shapes)
-    cache[signature] = std::move(entry);
+    if (st < 0) return false;
+    out.dtype = static_cast<c10::ScalarType>(st);
+    out.nbytes = nbytes;
+    pack_int(out.tail, nbytes);
+    pack_array_header(out.tail, out.sizes.size());
+    for (auto size : out.sizes) pack_int(out.tail, size);
+    pack_array_header(out.tail, out.strides.size());
+    for (auto stride : out.strides) pack_int(out.tail, stride);
+    pack_int(out.tail, code);
+    return true;
   }
 
   static bool read_ints(PyObject* seq, std::vector<int64_t>& out) {
@@ -780,22 +848,23 @@ struct OpKernel final : public c10::OperatorKernel {
 std::vector<OpKernel*> op_kernels;        // every registered kernel (cleared together)
 torch::Library* op_library = nullptr;     // never freed, as view_library
 
-// configure_ops(learn, submit, EXT_TENSOR)
+// configure_ops(learn, submit, submit_many, EXT_TENSOR)
 PyObject* configure_ops(PyObject*, PyObject* args) {
-  PyObject *learn, *submit;
+  PyObject *learn, *submit, *submit_many;
   long code;
-  if (!PyArg_ParseTuple(args, "OOl", &learn, &submit, &code)) return nullptr;
-  Py_XDECREF(learn_hook);
-  Py_XDECREF(submit_hook);
+  if (!PyArg_ParseTuple(args, "OOOl", &learn, &submit, &submit_many, &code)) return nullptr;
+  for (PyObject** slot : {&learn_hook, &submit_hook, &submit_many_hook}) Py_CLEAR(*slot);
   Py_INCREF(learn);
   Py_INCREF(submit);
+  Py_INCREF(submit_many);
   learn_hook = learn;
   submit_hook = submit;
+  submit_many_hook = submit_many;
   tensor_ext_code = code;
   Py_RETURN_NONE;
 }
 
-// register_ops([(name, qualified name, plan, kinds: bytes, numbers as numbers), ...])
+// register_ops([(name, qualified name, plan, kinds: bytes, results, numbers as numbers, floating only), ...])
 PyObject* register_ops(PyObject*, PyObject* entries) {
   if (learn_hook == nullptr || tensor_type == nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "configure and configure_ops first");
@@ -809,8 +878,10 @@ PyObject* register_ops(PyObject*, PyObject* entries) {
     const char *name, *kinds;
     Py_ssize_t kinds_size;
     PyObject *qualified, *plan;
-    int numbers;
-    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "sOOy#p", &name, &qualified, &plan, &kinds, &kinds_size, &numbers)) {
+    int numbers, floating, results;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "sOOy#ipp", &name, &qualified, &plan, &kinds, &kinds_size,
+                          &results, &numbers, &floating) || results < 1) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "an op has no results");
       Py_DECREF(seq);
       return nullptr;
     }
@@ -820,6 +891,8 @@ PyObject* register_ops(PyObject*, PyObject* entries) {
     kernel->plan = plan;
     kernel->name = qualified;
     kernel->numbers_as_numbers = numbers != 0;
+    kernel->floating_only = floating != 0;
+    kernel->results = static_cast<size_t>(results);
     for (Py_ssize_t k = 0; k < kinds_size; ++k) kernel->kinds.push_back(static_cast<Kind>(kinds[k]));
     pending.push_back({name, std::move(kernel)});
   }

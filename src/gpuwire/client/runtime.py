@@ -50,6 +50,17 @@ from .recovery import Recovery
 from . import wire
 from .wire import HostTensorArgument, host_tensors_by_value, refuse_host_tensors
 
+# an op's out declarations for the native kernels (``submit_native``): [storage id, then the
+# kernel's encoding of nbytes, sizes, strides, code]
+_OUT_HEAD = bytes([0x95])
+_ONE_OUT = bytes([0x91]) + _OUT_HEAD
+_pack = msgpack.Packer(autoreset=True).pack
+
+
+def _array_head(n: int) -> bytes:
+    return bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big")
+
+
 FLUSH_OPS = 64
 FLUSH_BYTES = 1 << 20
 # a queued command waits at most this long (seconds) for company: sent with the next command
@@ -441,7 +452,7 @@ class Runtime:
             if budget is not None and self.bytes_in_use + nbytes > budget:
                 return None
             address = self._next_address
-            frame = self.conn.encode_prepared_op(self.seq + 1, name, body, address, out_tail)
+            frame = self.conn.encode_prepared_op(self.seq + 1, name, body, _ONE_OUT + _pack(address) + out_tail)
             if frame is None:
                 return None
             self._next_address = address + ((max(nbytes, 1) + 2 * ALIGN - 1) & ~(ALIGN - 1))
@@ -452,6 +463,31 @@ class Runtime:
             # (a scan here may queue a Free behind the op)
             self.track_ref(address, ref, nbytes)
             return address
+
+    def submit_native_many(self, name: str, body: bytes, nbytes: tuple, refs: tuple, out_tails: tuple) -> tuple | None:
+        """``submit_native`` of an op with several fresh results (one of ``nbytes``, ``refs`` and
+        ``out_tails`` each): their addresses, or None with nothing done."""
+        with self.lock:
+            if self._dead is not None or self.sync_every_op:
+                return None
+            budget = self.memory_budget if self.memory_budget is not None else self._device_capacity
+            if budget is not None and self.bytes_in_use + sum(nbytes) > budget:
+                return None
+            addresses, outs, address = [], [], self._next_address
+            for size, tail in zip(nbytes, out_tails):
+                addresses.append(address)
+                outs.append(_OUT_HEAD + _pack(address) + tail)
+                address += (max(size, 1) + 2 * ALIGN - 1) & ~(ALIGN - 1)
+            frame = self.conn.encode_prepared_op(self.seq + 1, name, body, _array_head(len(outs)) + b"".join(outs))
+            if frame is None:
+                return None
+            self._next_address = address
+            self.seq += 1
+            self.ops_sent += 1
+            self.enqueue(frame)
+            for storage_id, ref, size in zip(addresses, refs, nbytes):  # (last, as in ``submit_native``)
+                self.track_ref(storage_id, ref, size)
+            return tuple(addresses)
 
     def synchronize(self) -> None:
         with self.lock:

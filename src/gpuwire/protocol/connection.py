@@ -50,7 +50,6 @@ LARGE_PAYLOAD = 64 << 10  # payloads at least this large bypass the frame buffer
 _DEFINE_OP = 10  # internal frame: [10, op_index, name]
 _OP = Op.code
 _OP_HEAD = bytes([0x96]) + msgpack.packb(_OP)  # [_OP, seq, index, args, kwargs, outs]
-_ONE_OUT_HEAD = bytes([0x91, 0x95])  # outs: one declaration (storage id, nbytes, sizes, strides, code)
 
 
 class ProtocolError(Exception):
@@ -194,17 +193,17 @@ class Connection:
         header = self._packer.pack((_OP, seq, index, args, kwargs, outs))
         return _PREFIX_PACK(len(header), 0) + header
 
-    def encode_prepared_op(self, seq: int, name: str, body: bytes, storage_id: int, out_tail: bytes) -> bytes | None:
-        """Hot path for the client's native kernels: the frame of an ``Op`` whose arguments come
-        encoded (``body``: the msgpack of its args and kwargs) and whose one fresh result is
-        ``storage_id`` (``out_tail``: the msgpack of the rest of its declaration). None where the
-        op has no index on this connection yet or the connection is not open (the caller takes
-        the general path, ``encode_op``, which names the op or raises)."""
+    def encode_prepared_op(self, seq: int, name: str, body: bytes, outs: bytes) -> bytes | None:
+        """Hot path for the client's native kernels: the frame of an ``Op`` whose arguments
+        (``body``: the msgpack of its args and kwargs) and out declarations (``outs``: their
+        msgpack array) come encoded. None where the op has no index on this connection yet or
+        the connection is not open (the caller takes the general path, ``encode_op``, which
+        names the op or raises)."""
         index = self._op_index.get(name)
         if index is None or self.state is not State.OPEN:
             return None
         pack = self._packer.pack
-        header = b"".join((_OP_HEAD, pack(seq), pack(index), body, _ONE_OUT_HEAD, pack(storage_id), out_tail))
+        header = b"".join((_OP_HEAD, pack(seq), pack(index), body, outs))
         return _PREFIX_PACK(len(header), 0) + header
 
     def encode_alloc(self, seq: int, storage_id: int, nbytes: int, overwrite: bool = False) -> bytes:
