@@ -27,6 +27,7 @@ import warnings
 import weakref
 from itertools import chain
 
+import msgpack
 import torch
 from torch._C import DispatchKey, DispatchKeySet
 
@@ -1225,7 +1226,8 @@ def _register_direct(aten_library) -> None:
         if kinds is not None:  # (its Python kernel until the native helper takes its place)
             if _op_library is None:
                 _op_library = torch.library.Library("aten", "IMPL")
-            _NATIVE_OPS.append((name, qualified, plan, kinds, len(schema.returns), not plan.numbers, plan.known_values))
+            _NATIVE_OPS.append((name, qualified, plan, kinds, len(schema.returns), not plan.numbers, plan.known_values,
+                                False))
             _op_library.impl(name, plan, "PrivateUse1", with_keyset=True)
             continue
         aten_library.impl(name, _traced_direct(plan) if tracing else plan, "PrivateUse1", with_keyset=True)
@@ -1234,9 +1236,10 @@ def _register_direct(aten_library) -> None:
 # Argument types the native op kernels key, encode and hand to Python (client/native.cpp
 # ``Kind``); Optional[...] of each too.
 _NATIVE_KINDS = {"Tensor": 0, "int": 1, "SymInt": 1, "List[int]": 2, "List[SymInt]": 2, "float": 3, "bool": 4,
-                 "number": 5, "str": 6, "ScalarType": 7}
-# (name, qualified name, plan, kinds, results, numbers as numbers, floating tensors only) of the
-# ops the native kernels serve
+                 "number": 5, "str": 6, "ScalarType": 7, "MemoryFormat": 8, "Layout": 9, "Device": 10, "List[bool]": 11}
+# (name, qualified name, plan, kinds, results, numbers as numbers, floating tensors only,
+# FunctionalPlan rules: Scalars keyed by value, the inputs' mirrors dropped) of the ops the
+# native kernels serve
 _NATIVE_OPS: list = []
 _op_library = None  # their Python kernels until then
 
@@ -1251,8 +1254,15 @@ def _native_kinds(plan, schema) -> bytes | None:
         return None
     if plan.known_values and plan.name not in mirror.EXACT_ARGS_ONLY:
         return None
+    return _argument_kinds(schema)
+
+
+def _argument_kinds(schema) -> bytes | None:
+    """``_NATIVE_KINDS`` of each argument of an op with fresh tensor results and no writes, or None."""
     returns = schema.returns
-    if not returns or any(str(r.real_type) != "Tensor" for r in returns):
+    if not returns or any(str(r.real_type) != "Tensor" or r.alias_info is not None for r in returns):
+        return None
+    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
         return None
     kinds = []
     for argument in schema.arguments:
@@ -1269,10 +1279,69 @@ def _native_kinds(plan, schema) -> bytes | None:
 _PRIVATEUSE1_KEYSET = DispatchKeySet(DispatchKey.PrivateUse1)
 
 
+class _KernelEntry:
+    """A native op kernel's Python kernel that is not a ``DirectPlan``: one that hands its calls
+    to the op's plan (``_fallback``), as the generic per-op kernels and ``fused``'s do."""
+
+    __slots__ = ("kernel", "with_keyset", "qualified", "_op")
+
+    def __init__(self, kernel, with_keyset: bool, qualified: str):
+        self.kernel, self.with_keyset, self.qualified, self._op = kernel, with_keyset, qualified, None
+
+    @property
+    def op(self):
+        if self._op is None:
+            packet, _, overload = self.qualified[len("aten::"):].partition(".")
+            self._op = getattr(getattr(aten, packet), overload or "default")
+        return self._op
+
+
+def register_kernel(aten_library, name: str, kernel, with_keyset: bool = False) -> None:
+    """``aten_library.impl(name, kernel, "PrivateUse1")`` for a kernel that runs ``name``'s calls
+    through its plan; where the op's schema suits the native op kernels (fresh tensor results,
+    arguments of ``_NATIVE_KINDS``) into ``_op_library``, which they replace."""
+    global _op_library
+    qualified = "aten::" + name
+    kinds = None
+    if os.environ.get("GPUWIRE_TRACE", "") in ("", "0") and qualified not in mirror.OPS and \
+            qualified not in checks.MISSED_BY_META:
+        packet, _, overload = qualified.partition(".")
+        try:
+            schema = torch._C._get_schema(packet, overload)
+        except RuntimeError:
+            schema = None
+        kinds = _argument_kinds(schema) if schema is not None else None
+    if kinds is None:
+        aten_library.impl(name, kernel, "PrivateUse1", with_keyset=with_keyset)
+        return
+    if _op_library is None:
+        _op_library = torch.library.Library("aten", "IMPL")
+    numbers_as_numbers = torch._C._should_allow_numbers_as_tensors(packet.split("::")[-1])
+    _NATIVE_OPS.append((name, qualified, _KernelEntry(kernel, with_keyset, qualified), kinds, len(schema.returns),
+                        numbers_as_numbers, False, True))
+    _op_library.impl(name, kernel, "PrivateUse1", with_keyset=with_keyset)
+
+
+def _fresh_in_order(template, count: int) -> bool:
+    return (template == 0 and count == 1) or template == ("tuple", list(range(count)))
+
+
 def _native_learn(plan, args, kwargs):
     """A native op kernel's call that it does not serve itself: ``plan`` runs it as its Python
     kernel would. Returns (result, its output specs) when ``plan`` holds the specs for this
     call's signature now (the kernel serves the next call with it), else (result, None)."""
+    if type(plan) is _KernelEntry:
+        result = plan.kernel(_PRIVATEUSE1_KEYSET, *args, **kwargs) if plan.with_keyset else plan.kernel(*args, **kwargs)
+        functional = _PLANS.get(plan.op._op)
+        if type(functional) is not FunctionalPlan or functional.numbers and _numbers_in(functional.numbers, args, kwargs):
+            return result, None
+        try:
+            entry = functional.cache.get(_call_key(args, kwargs, functional.by_class, functional.by_kind))
+        except TypeError:
+            return result, None
+        if type(entry) is not _MetaEntry or not _fresh_in_order(entry.template, len(entry.specs)):
+            return result, None
+        return result, entry.specs
     result = plan(_PRIVATEUSE1_KEYSET, *args, **kwargs)
     if plan.local or plan.numbers and _numbers_in(plan.numbers, args, kwargs):
         return result, None
@@ -1287,23 +1356,36 @@ def _numbers_in(slots, args, kwargs) -> bool:
     return any(type(args[i] if not k and i < len(args) else kwargs.get(n)) in _NUMBER_TYPES for i, n, k in slots)
 
 
-def _native_submit(name, nbytes, ref, body, out_tail):
+def _native_submit(name, nbytes, ref, body, out_tail, forget):
     """A native op kernel's message (``body``: its arguments encoded) with one fresh result of
     ``nbytes``: numbered, its result's address reserved and tracked (``ref``: the result
     storage's weak reference), queued. Returns the address, or None where the runtime cannot
-    take it so (the kernel then calls the op's plan, which says why)."""
+    take it so (the kernel then calls the op's plan, which says why). ``forget``: the storage
+    ids of its inputs, whose mirrored values it drops (a FunctionalPlan's op), or None."""
     rt = _runtime
     if rt is None:
         return None
-    return rt.submit_native(name, nbytes, ref, body, out_tail)
+    return rt.submit_native(name, nbytes, ref, body, out_tail, forget)
 
 
-def _native_submit_many(name, body, nbytes, refs, out_tails):
+def _native_tables() -> tuple:
+    """What the native op kernels need to hand memory formats, layouts and devices to Python and
+    to encode them as ``wire.encode_default`` does: ({c10 enum value: (msgpack bytes, object)}
+    for memory formats and layouts, torch.device, the msgpack of ``gpuwire:0`` and of ``gpuwire``)."""
+    pack = functools.partial(msgpack.packb, default=wire.encode_default)
+    formats = {0: torch.contiguous_format, 1: torch.preserve_format, 2: torch.channels_last, 3: torch.channels_last_3d}
+    layouts = {0: torch.strided, 1: torch.sparse_coo, 2: torch.sparse_csr, 3: torch._mkldnn, 4: torch.sparse_csc,
+               5: torch.sparse_bsr, 6: torch.sparse_bsc, 7: torch.jagged}
+    return ({k: (pack(v), v) for k, v in formats.items()}, {k: (pack(v), v) for k, v in layouts.items()}, torch.device,
+            pack(torch.device(DEVICE_TYPE, 0)), pack(torch.device(DEVICE_TYPE)))
+
+
+def _native_submit_many(name, body, nbytes, refs, out_tails, forget):
     """``_native_submit`` of an op with several fresh results (a tuple of each): their addresses."""
     rt = _runtime
     if rt is None:
         return None
-    return rt.submit_native_many(name, body, nbytes, refs, out_tails)
+    return rt.submit_native_many(name, body, nbytes, refs, out_tails, forget)
 
 
 def _traced_direct(plan):
@@ -2129,6 +2211,9 @@ def _register_fallback_ops(aten_library, tracing: bool) -> None:
                             qualified not in special and _is_view_schema(qualified))):
                         library = _view_library
                         _VIEW_OPS.append(name)
+                    elif qualified not in special:
+                        register_kernel(aten_library, name, _per_op_kernel(qualified, tracing))
+                        break
                     library.impl(name, _per_op_kernel(qualified, tracing), "PrivateUse1")
                 break
     if native.module is not None:
@@ -2176,12 +2261,16 @@ def use_native_kernels(loaded) -> None:
     if library is not None:
         library._destroy()
         try:
-            loaded.configure_ops(_native_learn, _native_submit, _native_submit_many, codec.EXT_TENSOR)
+            loaded.configure_ops(_native_learn, _native_submit, _native_submit_many, codec.EXT_TENSOR,
+                                 _native_tables())
             loaded.register_ops(_NATIVE_OPS)
         except RuntimeError as exc:
             _op_library = torch.library.Library("aten", "IMPL")
             for name, _, plan, *_ in _NATIVE_OPS:
-                _op_library.impl(name, plan, "PrivateUse1", with_keyset=True)
+                if type(plan) is _KernelEntry:
+                    _op_library.impl(name, plan.kernel, "PrivateUse1", with_keyset=plan.with_keyset)
+                else:
+                    _op_library.impl(name, plan, "PrivateUse1", with_keyset=True)
             logging.getLogger("gpuwire").warning("gpuwire: ops stay on their Python kernels: %s", exc)
 
 

@@ -281,7 +281,7 @@ def register(aten_library: torch.library.Library) -> None:
         name = qualified[len("aten::"):]
         packet, _, overload = name.partition(".")
         op = getattr(getattr(torch.ops.aten, packet), overload or "default")
-        aten_library.impl(name, _whole(op), "PrivateUse1")
+        _device.register_kernel(aten_library, name, _whole(op))
     for name in STUB_COMPOSITES:
         packet, _, overload = name.partition(".")
         aten_library.impl(name, _whole(getattr(getattr(torch.ops.aten, packet), overload or "default")), "PrivateUse1")
@@ -384,7 +384,7 @@ def _register_small_composites(aten_library: torch.library.Library) -> None:
         op = getattr(getattr(torch.ops.aten, packet), overload or "default")
         composite = torch._C._dispatch_get_computed_kernel_for_dispatch_key(
             f"aten::{name}", torch._C.DispatchKey.PrivateUse1)
-        aten_library.impl(name, _whole_when_small(op, composite, result_bytes), "PrivateUse1", with_keyset=True)
+        _device.register_kernel(aten_library, name, _whole_when_small(op, composite, result_bytes), with_keyset=True)
 
 
 def _whole(op):

@@ -276,13 +276,22 @@ PyObject* configure(PyObject*, PyObject* args) {
 
 // The argument kinds of a schema this handles (from ``device._NATIVE_KINDS``); Optional[...]
 // of each too (None needs no kind).
-enum Kind : uint8_t { kTensor = 0, kInt = 1, kIntList = 2, kFloat = 3, kBool = 4, kScalar = 5, kStr = 6, kScalarType = 7 };
+enum Kind : uint8_t {
+  kTensor = 0, kInt = 1, kIntList = 2, kFloat = 3, kBool = 4, kScalar = 5, kStr = 6, kScalarType = 7,
+  kMemoryFormat = 8, kLayout = 9, kDevice = 10, kBoolList = 11,
+};
 
 PyObject* learn_hook = nullptr;    // device._native_learn(plan, args, kwargs) -> (result, spec | None)
 PyObject* submit_hook = nullptr;   // device._native_submit(name, nbytes, weak ref, body, out tail) -> address | None
 PyObject* submit_many_hook = nullptr;  // device._native_submit_many(name, body, nbytes, refs, tails) -> addresses | None
 PyObject* device_type_obj = nullptr;  // torch.device, for a Device value handed to Python
 long tensor_ext_code = 1;          // codec.EXT_TENSOR
+// c10::MemoryFormat / c10::Layout value -> (msgpack, Python object), as wire.encode_default packs them
+constexpr int kEnums = 16;
+std::string memory_format_bytes[kEnums], layout_bytes[kEnums];
+PyObject* memory_format_objects[kEnums] = {};
+PyObject* layout_objects[kEnums] = {};
+std::string device_bytes, device_bytes_no_index;  // gpuwire:0, gpuwire (no index)
 
 // One fresh result of a learned signature
 struct Out {
@@ -382,6 +391,7 @@ struct OpKernel final : public c10::OperatorKernel {
   PyObject* name;   // "aten::add.Tensor"
   bool numbers_as_numbers;  // a wrapped number goes as a Python number (ops allowing numbers as tensors)
   bool floating_only;       // only floating tensors here (``sum``: the client mirrors integer sums, mirror.py)
+  bool functional;          // a FunctionalPlan's rules: a Scalar by its value, the inputs' mirrors dropped
   size_t results = 1;
   std::vector<Kind> kinds;
   std::unordered_map<std::string, std::shared_ptr<const Outs>> cache;
@@ -440,11 +450,19 @@ struct OpKernel final : public c10::OperatorKernel {
           if (!v.isBool()) return false;
           out.push_back(v.toBool() ? 'Y' : 'n');
           break;
-        case kScalar:  // by kind alone, as Python keys it
-          if (v.isDouble()) out.push_back('f');
-          else if (v.isBool()) out.push_back('b');
-          else if (v.isInt()) out.push_back('i');
-          else return false;
+        case kScalar:  // by kind alone, as a DirectPlan keys it; a FunctionalPlan by value too
+          if (v.isDouble()) {
+            out.push_back('f');
+            if (functional) put_raw(out, v.toDouble());
+          } else if (v.isBool()) {
+            out.push_back('b');
+            if (functional) out.push_back(v.toBool() ? 1 : 0);
+          } else if (v.isInt()) {
+            out.push_back('i');
+            if (functional) put_raw(out, v.toInt());
+          } else {
+            return false;
+          }
           break;
         case kStr: {
           if (!v.isString()) return false;
@@ -460,6 +478,30 @@ struct OpKernel final : public c10::OperatorKernel {
           if (st < 0 || st >= kScalarTypes || dtype_codes[st] < 0) return false;
           out.push_back('Z');
           out.push_back(static_cast<char>(st));
+          break;
+        }
+        case kMemoryFormat:
+        case kLayout: {
+          if (!v.isInt()) return false;
+          const int64_t value = v.toInt();
+          const std::string* table = kinds[i] == kLayout ? layout_bytes : memory_format_bytes;
+          if (value < 0 || value >= kEnums || table[value].empty()) return false;
+          out.push_back(kinds[i] == kLayout ? 'Q' : 'M');
+          out.push_back(static_cast<char>(value));
+          break;
+        }
+        case kBoolList: {
+          if (!v.isBoolList()) return false;
+          const auto values = v.toBoolList();
+          out.push_back('K');
+          put_raw<uint32_t>(out, static_cast<uint32_t>(values.size()));
+          for (bool value : values) out.push_back(value ? 1 : 0);
+          break;
+        }
+        case kDevice: {  // the gpuwire device only (another goes to Python, which says why)
+          if (!v.isDevice() || v.toDevice().type() != c10::DeviceType::PrivateUse1 || v.toDevice().index() > 0) return false;
+          out.push_back('V');
+          out.push_back(v.toDevice().has_index() ? 1 : 0);
           break;
         }
         default:
@@ -513,6 +555,15 @@ struct OpKernel final : public c10::OperatorKernel {
         out.push_back('\xd4');
         out.push_back('\x02');
         out.push_back(static_cast<char>(dtype_codes[v.toInt()]));
+        return;
+      }
+      case kMemoryFormat: out += memory_format_bytes[v.toInt()]; return;
+      case kLayout: out += layout_bytes[v.toInt()]; return;
+      case kDevice: out += v.toDevice().has_index() ? device_bytes : device_bytes_no_index; return;
+      case kBoolList: {
+        const auto values = v.toBoolList();
+        pack_array_header(out, values.size());
+        for (bool value : values) out.push_back(value ? '\xc3' : '\xc2');
         return;
       }
     }
@@ -593,13 +644,15 @@ struct OpKernel final : public c10::OperatorKernel {
     }
     PyObject* answer = nullptr;
     PyObject* body_bytes = PyBytes_FromStringAndSize(body.data(), static_cast<Py_ssize_t>(body.size()));
+    PyObject* forget = functional ? input_storages(args) : (Py_INCREF(Py_None), Py_None);
+    if (forget == nullptr) Py_CLEAR(body_bytes);
     if (n == 1) {
       PyObject* ref = PyLong_FromVoidPtr(weak[0]);
       PyObject* nbytes = PyLong_FromLongLong(outs[0].nbytes);
       PyObject* tail = PyBytes_FromStringAndSize(outs[0].tail.data(), static_cast<Py_ssize_t>(outs[0].tail.size()));
       if (ref && nbytes && body_bytes && tail) {
-        PyObject* call_args[] = {name, nbytes, ref, body_bytes, tail};
-        answer = PyObject_Vectorcall(submit_hook, call_args, 5, nullptr);
+        PyObject* call_args[] = {name, nbytes, ref, body_bytes, tail, forget};
+        answer = PyObject_Vectorcall(submit_hook, call_args, 6, nullptr);
       }
       Py_XDECREF(ref);
       Py_XDECREF(nbytes);
@@ -619,14 +672,15 @@ struct OpKernel final : public c10::OperatorKernel {
         if (tail) PyTuple_SET_ITEM(tails, static_cast<Py_ssize_t>(i), tail);
       }
       if (ok) {
-        PyObject* call_args[] = {name, body_bytes, sizes, refs, tails};
-        answer = PyObject_Vectorcall(submit_many_hook, call_args, 5, nullptr);
+        PyObject* call_args[] = {name, body_bytes, sizes, refs, tails, forget};
+        answer = PyObject_Vectorcall(submit_many_hook, call_args, 6, nullptr);
       }
       Py_XDECREF(refs);
       Py_XDECREF(sizes);
       Py_XDECREF(tails);
     }
     Py_XDECREF(body_bytes);
+    Py_XDECREF(forget);
     if (answer == Py_None) {
       for (c10::StorageImpl* ref : weak) c10::raw::weak_intrusive_ptr::decref(ref);  // (the runtime declined)
       Py_DECREF(answer);
@@ -652,6 +706,19 @@ struct OpKernel final : public c10::OperatorKernel {
       stack->emplace_back(std::move(result));
     }
     return true;
+  }
+
+  // The storage ids of the gpuwire tensors among ``args`` (a tuple; nullptr with an error)
+  static PyObject* input_storages(c10::ArrayRef<c10::IValue> args) {
+    PyObject* ids = PyList_New(0);
+    for (const c10::IValue& v : args) {
+      if (ids == nullptr || !v.isTensor() || !v.toTensor().defined() || is_wrapped_number(v.toTensor())) continue;
+      PyObject* id = PyLong_FromVoidPtr(
+          const_cast<void*>(v.toTensor().unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()->data()));
+      if (id == nullptr || PyList_Append(ids, id) < 0) Py_CLEAR(ids);
+      Py_XDECREF(id);
+    }
+    return ids;
   }
 
   // The op's Python plan, called as PyTorch calls a Python kernel; learns the signature's layout
@@ -790,6 +857,25 @@ struct OpKernel final : public c10::OperatorKernel {
         return dtype_objects[st];
       }
     }
+    if ((kind == kMemoryFormat || kind == kLayout) && v.isInt()) {
+      const int64_t value = v.toInt();
+      PyObject* const* table = kind == kLayout ? layout_objects : memory_format_objects;
+      if (value >= 0 && value < kEnums && table[value] != nullptr) {
+        Py_INCREF(table[value]);
+        return table[value];
+      }
+    }
+    if (v.isDevice()) return PyObject_CallFunction(device_type_obj, "s", v.toDevice().str().c_str());
+    if (v.isBoolList()) {
+      const auto values = v.toBoolList();
+      PyObject* list = PyList_New(static_cast<Py_ssize_t>(values.size()));
+      for (size_t i = 0; list && i < values.size(); ++i) {
+        PyObject* item = values[i] ? Py_True : Py_False;
+        Py_INCREF(item);
+        PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), item);
+      }
+      return list;
+    }
     if (v.isInt()) return PyLong_FromLongLong(v.toInt());
     if (v.isSymInt()) {
       auto value = v.toSymInt().maybe_as_int();
@@ -848,11 +934,49 @@ struct OpKernel final : public c10::OperatorKernel {
 std::vector<OpKernel*> op_kernels;        // every registered kernel (cleared together)
 torch::Library* op_library = nullptr;     // never freed, as view_library
 
-// configure_ops(learn, submit, submit_many, EXT_TENSOR)
+// Reads {enum value: (msgpack bytes, object)} into the two tables; false with a Python error
+bool read_enum_table(PyObject* table, std::string* bytes, PyObject** objects) {
+  if (!PyDict_Check(table)) {
+    PyErr_SetString(PyExc_TypeError, "an enum table must be a dict");
+    return false;
+  }
+  PyObject *k, *v;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(table, &pos, &k, &v)) {
+    const long index = PyLong_AsLong(k);
+    const char* data;
+    Py_ssize_t size;
+    PyObject* object;
+    if (index < 0 || index >= kEnums || !PyArg_ParseTuple(v, "y#O", &data, &size, &object)) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "enum value out of range");
+      return false;
+    }
+    bytes[index].assign(data, static_cast<size_t>(size));
+    Py_INCREF(object);
+    Py_XSETREF(objects[index], object);
+  }
+  return true;
+}
+
+// configure_ops(learn, submit, submit_many, EXT_TENSOR, (memory formats, layouts, torch.device,
+// gpuwire:0 bytes, gpuwire bytes)) — see device._native_tables
 PyObject* configure_ops(PyObject*, PyObject* args) {
-  PyObject *learn, *submit, *submit_many;
+  PyObject *learn, *submit, *submit_many, *memory_formats, *layouts, *device_type;
   long code;
-  if (!PyArg_ParseTuple(args, "OOOl", &learn, &submit, &submit_many, &code)) return nullptr;
+  const char *device0, *device_any;
+  Py_ssize_t device0_size, device_any_size;
+  if (!PyArg_ParseTuple(args, "OOOl(OOOy#y#)", &learn, &submit, &submit_many, &code, &memory_formats, &layouts,
+                        &device_type, &device0, &device0_size, &device_any, &device_any_size)) {
+    return nullptr;
+  }
+  if (!read_enum_table(memory_formats, memory_format_bytes, memory_format_objects) ||
+      !read_enum_table(layouts, layout_bytes, layout_objects)) {
+    return nullptr;
+  }
+  Py_INCREF(device_type);
+  Py_XSETREF(device_type_obj, device_type);
+  device_bytes.assign(device0, static_cast<size_t>(device0_size));
+  device_bytes_no_index.assign(device_any, static_cast<size_t>(device_any_size));
   for (PyObject** slot : {&learn_hook, &submit_hook, &submit_many_hook}) Py_CLEAR(*slot);
   Py_INCREF(learn);
   Py_INCREF(submit);
@@ -864,7 +988,8 @@ PyObject* configure_ops(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// register_ops([(name, qualified name, plan, kinds: bytes, results, numbers as numbers, floating only), ...])
+// register_ops([(name, qualified name, plan, kinds: bytes, results, numbers as numbers, floating only,
+// functional), ...])
 PyObject* register_ops(PyObject*, PyObject* entries) {
   if (learn_hook == nullptr || tensor_type == nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "configure and configure_ops first");
@@ -878,9 +1003,9 @@ PyObject* register_ops(PyObject*, PyObject* entries) {
     const char *name, *kinds;
     Py_ssize_t kinds_size;
     PyObject *qualified, *plan;
-    int numbers, floating, results;
-    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "sOOy#ipp", &name, &qualified, &plan, &kinds, &kinds_size,
-                          &results, &numbers, &floating) || results < 1) {
+    int numbers, floating, results, functional;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "sOOy#ippp", &name, &qualified, &plan, &kinds, &kinds_size,
+                          &results, &numbers, &floating, &functional) || results < 1) {
       if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "an op has no results");
       Py_DECREF(seq);
       return nullptr;
@@ -892,6 +1017,7 @@ PyObject* register_ops(PyObject*, PyObject* entries) {
     kernel->name = qualified;
     kernel->numbers_as_numbers = numbers != 0;
     kernel->floating_only = floating != 0;
+    kernel->functional = functional != 0;
     kernel->results = static_cast<size_t>(results);
     for (Py_ssize_t k = 0; k < kinds_size; ++k) kernel->kinds.push_back(static_cast<Kind>(kinds[k]));
     pending.push_back({name, std::move(kernel)});

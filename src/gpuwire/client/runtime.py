@@ -48,6 +48,7 @@ from ..pool.sizes import format_size
 from .errors import ConnectionLost, NodeUnreachable, RemoteError, out_of_memory_prefix, remote_error
 from .recovery import Recovery
 from . import wire
+from .mirror import forget_storages
 from .wire import HostTensorArgument, host_tensors_by_value, refuse_host_tensors
 
 # an op's out declarations for the native kernels (``submit_native``): [storage id, then the
@@ -439,12 +440,13 @@ class Runtime:
         if self.sync_every_op:
             self.synchronize()
 
-    def submit_native(self, name: str, nbytes: int, ref: int, body: bytes, out_tail: bytes) -> int | None:
+    def submit_native(self, name: str, nbytes: int, ref: int, body: bytes, out_tail: bytes, forget=None) -> int | None:
         """Queue op ``name`` for the client's native kernels (client/native.cpp): its arguments
         come encoded (``body``), its one fresh result of ``nbytes`` is tracked by ``ref``.
         Returns the result's address; None, with nothing done, where this runtime cannot take
         the op so (dead, syncing every op, the op not yet named on this connection, the memory
-        budget reached): the kernel then takes the general path, which raises or names it."""
+        budget reached): the kernel then takes the general path, which raises or names it.
+        ``forget``: storage ids whose mirrored values the op may change (client/mirror.py)."""
         with self.lock:
             if self._dead is not None or self.sync_every_op:
                 return None
@@ -456,6 +458,8 @@ class Runtime:
             if frame is None:
                 return None
             self._next_address = address + ((max(nbytes, 1) + 2 * ALIGN - 1) & ~(ALIGN - 1))
+            if forget and self.mirror:
+                forget_storages(self, forget)
             self.seq += 1
             self.ops_sent += 1
             self.enqueue(frame)
@@ -464,7 +468,8 @@ class Runtime:
             self.track_ref(address, ref, nbytes)
             return address
 
-    def submit_native_many(self, name: str, body: bytes, nbytes: tuple, refs: tuple, out_tails: tuple) -> tuple | None:
+    def submit_native_many(self, name: str, body: bytes, nbytes: tuple, refs: tuple, out_tails: tuple,
+                           forget=None) -> tuple | None:
         """``submit_native`` of an op with several fresh results (one of ``nbytes``, ``refs`` and
         ``out_tails`` each): their addresses, or None with nothing done."""
         with self.lock:
@@ -482,6 +487,8 @@ class Runtime:
             if frame is None:
                 return None
             self._next_address = address
+            if forget and self.mirror:
+                forget_storages(self, forget)
             self.seq += 1
             self.ops_sent += 1
             self.enqueue(frame)
