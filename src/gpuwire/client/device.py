@@ -1332,6 +1332,8 @@ def _native_learn(plan, args, kwargs):
     call's signature now (the kernel serves the next call with it), else (result, None)."""
     if type(plan) is _KernelEntry:
         result = plan.kernel(_PRIVATEUSE1_KEYSET, *args, **kwargs) if plan.with_keyset else plan.kernel(*args, **kwargs)
+        if plan.qualified == "aten::_to_copy":
+            return result, _to_copy_specs(args, kwargs)
         functional = _PLANS.get(plan.op._op)
         if type(functional) is not FunctionalPlan or functional.numbers and _numbers_in(functional.numbers, args, kwargs):
             return result, None
@@ -2086,6 +2088,20 @@ _TO_COPY_SPECS: dict = {}
 _TO_COPY_DEFAULTS = (None, torch.strided)
 
 
+def _to_copy_specs(args, kwargs):
+    """The output specs ``_to_copy_on_device`` holds for this call, when it served it (a copy
+    from the device to the device), else None."""
+    device = kwargs.get("device")
+    if len(args) != 1 or not on_device(args[0]) or (device is not None and torch.device(device).type != DEVICE_TYPE):
+        return None
+    if kwargs.get("layout") not in _TO_COPY_DEFAULTS or kwargs.get("pin_memory"):
+        return None
+    src = args[0]
+    spec = _TO_COPY_SPECS.get((src.dtype, src.shape, src.stride(), kwargs.get("dtype") or src.dtype,
+                               kwargs.get("memory_format")))
+    return None if spec is None else (spec,)
+
+
 def _to_copy_on_device(src, kwargs):
     """``_to_copy`` from the device to the device (``x.to(torch.bfloat16)``, ``x.half()``,
     autocast's casts of every weight, ``x.to(memory_format=...)``) as one message whose result
@@ -2167,7 +2183,7 @@ def register() -> None:
     global _to_copy_composite
     _to_copy_composite = torch._C._dispatch_get_computed_kernel_for_dispatch_key("aten::_to_copy",
                                                                                 DispatchKey.PrivateUse1)
-    _aten_library.impl("_to_copy", _to_copy, "PrivateUse1", with_keyset=True)
+    register_kernel(_aten_library, "_to_copy", _to_copy, with_keyset=True)
     from . import compile as _compile
     from . import fused, meta_kernels
     fused.register(_aten_library)

@@ -453,6 +453,8 @@ class Runtime:
             budget = self.memory_budget if self.memory_budget is not None else self._device_capacity
             if budget is not None and self.bytes_in_use + nbytes > budget:
                 return None
+            if forget and self.mirror and name == "aten::_to_copy" and forget[0] in self.mirror:
+                return None  # (the Python path makes the copy's values known too: client/mirror.py)
             address = self._next_address
             frame = self.conn.encode_prepared_op(self.seq + 1, name, body, _ONE_OUT + _pack(address) + out_tail)
             if frame is None:
