@@ -380,3 +380,29 @@ def test_the_cpp_path_sends_the_messages_the_python_path_sends(node):
     native_frames, status = run()
     assert status == "native"
     assert native_frames == python_frames
+
+
+@needs_a_compiler
+def test_an_error_in_a_native_op_on_autograds_device_thread_reaches_the_caller(device):
+    import gpuwire
+    from gpuwire.client import device as client_device
+    assert native.install()
+    rt = client_device.runtime()
+    x = torch.randn(64, 64, device=device, requires_grad=True)
+    for _ in range(2):  # (the backward's signatures learned: its mm calls take the C++ path)
+        (x @ x).sum().backward()
+    x.grad = None
+    loss = (x @ x).sum()
+    gpuwire.synchronize()
+    saved = rt.memory_budget
+    rt.memory_budget = rt.bytes_in_use + 100  # (no room for the backward's results)
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match="memory budget"):
+            loss.backward()
+    finally:
+        rt.memory_budget = saved
+    x.grad = None
+    (x @ x).sum().backward()  # the device thread goes on
+    expected = x.detach().cpu()
+    expected = torch.ones(64, 64) @ expected.t() + expected.t() @ torch.ones(64, 64)
+    assert torch.allclose(x.grad.cpu(), expected, atol=1e-4)
