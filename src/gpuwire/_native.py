@@ -77,7 +77,7 @@ def load(source: Path, module: str):
     path = library_path(source, module)
     if not path.exists():
         if sys.stderr.isatty():  # (a pause of seconds at a first attach looks like a hang; logs stay clean)
-            sys.stderr.write(f"gpuwire: building its C++ helper {module} for this machine and torch (once, ~10 s; "
+            sys.stderr.write(f"gpuwire: building its C++ helper {module} for this machine and torch (once, ~15 s; "
                              f"GPUWIRE_NATIVE=0 skips it) ...\n")
         build(source, path)
     loader = importlib.machinery.ExtensionFileLoader(module, str(path))

@@ -196,6 +196,9 @@ OP_CASES = [
     ("casts", lambda x, y: (x.to(torch.bfloat16), x.t().half(), x.double(), x.to(torch.int32), x.bool())),
     ("cast to channels_last", lambda x, y: x.view(1, 2, 2, 5).to(torch.float16, memory_format=torch.channels_last)),
     ("to and from the host", lambda x, y: (x.to("cpu", torch.float64).to(x.device), x.cpu().to(y.device, torch.float16))),
+    # in place on the first argument, which comes back
+    ("add_", lambda x, y: x.add_(y, alpha=2)), ("mul_ scalar", lambda x, y: x.mul_(-0.5)), ("clamp_", lambda x, y: x.clamp_(min=0)),
+    ("in place on a view", lambda x, y: (x[1:, 2:].mul_(3), x)[1]), ("in place, int", lambda x, y: (x * 4).long().add_(3)),
     ("layer_norm backward", lambda x, y: torch.ops.aten.native_layer_norm_backward(y, x, (5,), x.mean(1, keepdim=True),
                                                                                    x.var(1, keepdim=True), y[0], y[1],
                                                                                    [True, False, True])),
@@ -208,7 +211,7 @@ def test_native_op_kernels_give_what_cpu_gives(device, name, case):
     assert native.install()
     torch.manual_seed(0)
     x, y = torch.randn(4, 5), torch.randn(4, 5)
-    want = case(x, y)
+    want = case(x.clone(), y.clone())  # (an in-place case writes its arguments)
     for _ in range(3):
         got = case(x.to(device), y.to(device))
         for g, w in zip(*((r,) if isinstance(r, torch.Tensor) else tuple(r) for r in (got, want))):
@@ -335,6 +338,7 @@ FRAME_PROGRAM = textwrap.dedent("""
         lambda: torch.nn.functional.layer_norm(x, (5,), y[0, :5], y[1, :5]),
         lambda: torch.ops.aten.native_layer_norm_backward(x, x, [5], x[:, :1], x[:, 1:2], y[0, :5], None, [True, True, False]),
         lambda: x.max(1), lambda: torch.arange(1.0, 2.0, 0.25, device="gpuwire"),
+        lambda: x.clone().add_(y[:4, :5], alpha=0.5), lambda: x.clone().mul_(2), lambda: x.clone().clamp_(0.1),
     ]
 
     def plain(value):  # (a descriptor without its storage id: the ids differ between runs)
@@ -406,3 +410,15 @@ def test_an_error_in_a_native_op_on_autograds_device_thread_reaches_the_caller(d
     expected = x.detach().cpu()
     expected = torch.ones(64, 64) @ expected.t() + expected.t() @ torch.ones(64, 64)
     assert torch.allclose(x.grad.cpu(), expected, atol=1e-4)
+
+
+@needs_a_compiler
+def test_a_native_in_place_op_drops_the_values_the_client_knew(device):
+    """The client mirrors small integer tensors it uploaded (client/mirror.py) and answers reads
+    of them locally; an in-place op served in C++ must drop those values, as the Python path
+    does, or a read returns what the tensor held before."""
+    assert native.install()
+    m = torch.tensor([1, 2, 3]).to(device)
+    for step in range(1, 4):
+        m.add_(1)  # (the first teaches the kernel; the others are sent from C++)
+        assert m.tolist() == [1 + step, 2 + step, 3 + step]

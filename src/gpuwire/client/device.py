@@ -1226,8 +1226,8 @@ def _register_direct(aten_library) -> None:
         if kinds is not None:  # (its Python kernel until the native helper takes its place)
             if _op_library is None:
                 _op_library = torch.library.Library("aten", "IMPL")
-            _NATIVE_OPS.append((name, qualified, plan, kinds, len(schema.returns), not plan.numbers, plan.known_values,
-                                False))
+            _NATIVE_OPS.append((name, qualified, plan, kinds, 0 if plan.inplace else len(schema.returns),
+                                not plan.numbers, plan.known_values, False))
             _op_library.impl(name, plan, "PrivateUse1", with_keyset=True)
             continue
         aten_library.impl(name, _traced_direct(plan) if tracing else plan, "PrivateUse1", with_keyset=True)
@@ -1237,7 +1237,7 @@ def _register_direct(aten_library) -> None:
 # ``Kind``); Optional[...] of each too.
 _NATIVE_KINDS = {"Tensor": 0, "int": 1, "SymInt": 1, "List[int]": 2, "List[SymInt]": 2, "float": 3, "bool": 4,
                  "number": 5, "str": 6, "ScalarType": 7, "MemoryFormat": 8, "Layout": 9, "Device": 10, "List[bool]": 11}
-# (name, qualified name, plan, kinds, results, numbers as numbers, floating tensors only,
+# (name, qualified name, plan, kinds, results (0: in place on its first argument), numbers as numbers, floating tensors only,
 # FunctionalPlan rules: Scalars keyed by value, the inputs' mirrors dropped) of the ops the
 # native kernels serve
 _NATIVE_OPS: list = []
@@ -1250,19 +1250,24 @@ def _native_kinds(plan, schema) -> bytes | None:
     ``_NATIVE_KINDS`` (the structured ops, ``add`` to ``addmm`` and ``native_layer_norm``, that
     make most of a step). Of the ops whose results the client mirrors (client/mirror.py) only
     those that mirror integer sums alone, and only on floating tensors (the C++ kernel checks)."""
-    if plan.inplace or plan.returns_list or plan.list_positions:
+    if plan.returns_list or plan.list_positions:
         return None
     if plan.known_values and plan.name not in mirror.EXACT_ARGS_ONLY:
         return None
+    if plan.inplace:  # (``x.add_(y)``: writes its first argument, returns it)
+        return _argument_kinds(schema, inplace=True) if plan.source is not None and plan.source[0] == 0 else None
     return _argument_kinds(schema)
 
 
-def _argument_kinds(schema) -> bytes | None:
-    """``_NATIVE_KINDS`` of each argument of an op with fresh tensor results and no writes, or None."""
-    returns = schema.returns
-    if not returns or any(str(r.real_type) != "Tensor" or r.alias_info is not None for r in returns):
-        return None
-    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+def _argument_kinds(schema, inplace: bool = False) -> bytes | None:
+    """``_NATIVE_KINDS`` of each argument of an op with fresh tensor results and no writes (or,
+    ``inplace``, one that writes its first argument alone and returns it), or None."""
+    returns, arguments = schema.returns, schema.arguments
+    if inplace:
+        if len(returns) != 1 or any(a.alias_info is not None and a.alias_info.is_write for a in arguments[1:]):
+            return None
+    elif not returns or any(str(r.real_type) != "Tensor" or r.alias_info is not None for r in returns) or \
+            any(a.alias_info is not None and a.alias_info.is_write for a in arguments):
         return None
     kinds = []
     for argument in schema.arguments:
@@ -1351,7 +1356,7 @@ def _native_learn(plan, args, kwargs):
         specs = plan.cache.get(_call_key(args, kwargs, plan.typed, _NOTHING))
     except TypeError:
         return result, None
-    return result, (specs if specs else None)
+    return result, specs  # (an in-place op's are (): nothing fresh)
 
 
 def _numbers_in(slots, args, kwargs) -> bool:

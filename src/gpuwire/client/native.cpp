@@ -14,6 +14,9 @@
 
 #include "../_native_common.h"
 
+#include <dlfcn.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -21,7 +24,6 @@
 #include <unordered_map>
 #include <vector>
 
-PyObject* THPVariable_Wrap(const at::TensorBase& var);  // (libtorch_python; its header pulls in much more)
 
 namespace {
 
@@ -386,13 +388,34 @@ bool int_list(const c10::IValue& v, std::vector<int64_t>& out) {
   return true;
 }
 
+// THPVariable_Wrap (libtorch_python: the Python tensor of a C++ one) is declared differently by
+// torch versions (const&, &&, by value) and its header costs seconds of every build: this finds
+// whichever the loaded torch exports
+PyObject* wrap_tensor(const at::Tensor& t) {
+  using ByRef = PyObject* (*)(const at::TensorBase&);
+  using ByValue = PyObject* (*)(at::TensorBase);
+  static void* library = dlopen("libtorch_python.so", RTLD_LAZY | RTLD_NOLOAD);
+  static auto by_ref = library ? reinterpret_cast<ByRef>(dlsym(library, "_Z16THPVariable_WrapRKN2at10TensorBaseE")) : nullptr;
+  // (an rvalue reference is passed as a pointer, as a const one: called so on a copy)
+  static auto by_rvalue = library ? reinterpret_cast<ByRef>(dlsym(library, "_Z16THPVariable_WrapON2at10TensorBaseE")) : nullptr;
+  static auto by_value = library ? reinterpret_cast<ByValue>(dlsym(library, "_Z16THPVariable_WrapN2at10TensorBaseE")) : nullptr;
+  if (by_ref) return by_ref(t);
+  if (by_rvalue) {
+    at::TensorBase copy(t);
+    return by_rvalue(copy);
+  }
+  if (by_value) return by_value(at::TensorBase(t));
+  PyErr_SetString(PyExc_RuntimeError, "gpuwire: this torch exports no THPVariable_Wrap the native op kernels know");
+  return nullptr;
+}
+
 struct OpKernel final : public c10::OperatorKernel {
   PyObject* plan;   // the op's device.DirectPlan (kept alive by device._NATIVE_OPS)
   PyObject* name;   // "aten::add.Tensor"
   bool numbers_as_numbers;  // a wrapped number goes as a Python number (ops allowing numbers as tensors)
   bool floating_only;       // only floating tensors here (``sum``: the client mirrors integer sums, mirror.py)
   bool functional;          // a FunctionalPlan's rules: a Scalar by its value, the inputs' mirrors dropped
-  size_t results = 1;
+  size_t results = 1;       // fresh results; 0: in place on its first argument, which it returns
   std::vector<Kind> kinds;
   std::unordered_map<std::string, std::shared_ptr<const Outs>> cache;
 
@@ -644,7 +667,7 @@ struct OpKernel final : public c10::OperatorKernel {
     }
     PyObject* answer = nullptr;
     PyObject* body_bytes = PyBytes_FromStringAndSize(body.data(), static_cast<Py_ssize_t>(body.size()));
-    PyObject* forget = functional ? input_storages(args) : (Py_INCREF(Py_None), Py_None);
+    PyObject* forget = functional || results == 0 ? input_storages(args) : (Py_INCREF(Py_None), Py_None);
     if (forget == nullptr) Py_CLEAR(body_bytes);
     if (n == 1) {
       PyObject* ref = PyLong_FromVoidPtr(weak[0]);
@@ -696,6 +719,12 @@ struct OpKernel final : public c10::OperatorKernel {
     Py_DECREF(answer);
     if (PyErr_Occurred()) throw_python_error();
     if (addresses.size() != n) throw std::runtime_error("gpuwire: the runtime answered a native op with the wrong addresses");
+    if (results == 0) {  // in place: the op returns the tensor it wrote
+      c10::IValue written = args[0];
+      torch::jit::drop(*stack, args.size());
+      stack->emplace_back(std::move(written));
+      return true;
+    }
     torch::jit::drop(*stack, args.size());
     for (size_t i = 0; i < n; ++i) {
       storages[i]->set_data_ptr_noswap(c10::DataPtr(addresses[i], device));
@@ -751,7 +780,7 @@ struct OpKernel final : public c10::OperatorKernel {
     if (answer == nullptr) throw_python_error();
     PyObject* result = PyTuple_Check(answer) && PyTuple_GET_SIZE(answer) == 2 ? PyTuple_GET_ITEM(answer, 0) : nullptr;
     std::vector<at::Tensor> tensors;
-    if (result != nullptr && results == 1) {
+    if (result != nullptr && results <= 1) {  // (in place: the tensor it wrote)
       tensors.emplace_back();
       if (!tensor_of(result, tensors.back())) tensors.clear();
     } else if (result != nullptr && PyTuple_Check(result) && static_cast<size_t>(PyTuple_GET_SIZE(result)) == results) {
@@ -764,7 +793,7 @@ struct OpKernel final : public c10::OperatorKernel {
         }
       }
     }
-    if (tensors.size() != results) {
+    if (tensors.size() != std::max<size_t>(results, 1)) {
       Py_DECREF(answer);
       throw std::runtime_error("gpuwire: an op's plan returned other than its schema's tensors");
     }
@@ -848,7 +877,7 @@ struct OpKernel final : public c10::OperatorKernel {
         }
         return PyFloat_FromDouble(t.item<double>());
       }
-      return THPVariable_Wrap(t);
+      return wrap_tensor(t);
     }
     if (kind == kScalarType && v.isInt()) {
       const int64_t st = v.toInt();
@@ -1005,8 +1034,8 @@ PyObject* register_ops(PyObject*, PyObject* entries) {
     PyObject *qualified, *plan;
     int numbers, floating, results, functional;
     if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "sOOy#ippp", &name, &qualified, &plan, &kinds, &kinds_size,
-                          &results, &numbers, &floating, &functional) || results < 1) {
-      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "an op has no results");
+                          &results, &numbers, &floating, &functional) || results < 0) {
+      if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a negative number of results");
       Py_DECREF(seq);
       return nullptr;
     }

@@ -17,13 +17,14 @@ Sits under ``client/device.py`` (installed when a program first attaches to a no
   CPU's kernel, which makes it for any device. The C++ kernel does the same redispatch without
   the GIL and a Python call: 3.3 -> 1.2 us a ``view``, ~560 of them a 12-layer GPT-2 step
   (``device.use_native_kernels``).
-- **Op kernels.** A functional op with fresh results (``add``, ``mul``, ``addmm``, ``mm``,
-  ``native_layer_norm`` and its backward, ``clone``, ``zeros`` ...: ~660 ops whose plan is a
-  ``DirectPlan`` or a ``FunctionalPlan``, most of a training step's messages) whose call
+- **Op kernels.** An op with fresh results (``add``, ``mul``, ``addmm``, ``mm``,
+  ``native_layer_norm`` and its backward, ``clone``, ``zeros``, casts ...) or in place on its
+  first argument (``add_``, ``mul_`` ...): ~770 ops whose plan is a ``DirectPlan`` or a
+  ``FunctionalPlan``, most of a training step's messages, whose call
   signature its plan has served is keyed, encoded and its result tensors made in C++; Python is
   called once, to number and queue the message (``Runtime.submit_native``). Every other call
   goes to the op's plan as its Python kernel was called (``device._native_learn``). 12-layer
-  GPT-2 step issue time (``python -m bench --only issue``) ~34 -> ~25 ms (docs/performance.md).
+  GPT-2 step issue time (``python -m bench --only issue``) 36-43 -> 24-27 ms (docs/performance.md).
 
 Built at a program's first attach (``gpuwire/_native.py`` builds and caches it: a few seconds
 once per machine). Where it cannot be built (no compiler, no headers) the Python paths stay and
