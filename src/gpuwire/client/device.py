@@ -936,8 +936,7 @@ class DirectPlan:
     @property
     def op(self):
         if self._op is None:
-            packet, _, overload = self.name[len("aten::"):].partition(".")
-            self._op = getattr(getattr(aten, packet), overload or "default")
+            self._op = _aten_op(self.name)
         return self._op
 
     @staticmethod
@@ -1296,8 +1295,7 @@ class _KernelEntry:
     @property
     def op(self):
         if self._op is None:
-            packet, _, overload = self.qualified[len("aten::"):].partition(".")
-            self._op = getattr(getattr(aten, packet), overload or "default")
+            self._op = _aten_op(self.qualified)
         return self._op
 
 
@@ -2295,15 +2293,19 @@ def use_native_kernels(loaded) -> None:
             logging.getLogger("gpuwire").warning("gpuwire: ops stay on their Python kernels: %s", exc)
 
 
+def _aten_op(qualified: str):
+    """The OpOverload of ``aten::name.overload`` (made on first use: there are thousands)."""
+    packet, _, overload = qualified[len("aten::"):].partition(".")
+    return getattr(getattr(aten, packet), overload or "default")
+
+
 def _per_op_kernel(qualified: str, tracing: bool):
     """The fallback for one op, as a kernel (called without the op: it is resolved on first use)."""
     resolved = []
 
     def kernel(*args, **kwargs):
         if not resolved:
-            packet, _, overload = qualified[len("aten::"):].partition(".")
-            op = getattr(getattr(aten, packet), overload or "default")
-            resolved.append(op)
+            resolved.append(_aten_op(qualified))
         op = resolved[0]
         if tracing:
             return _traced_fallback(op, *args, **kwargs)
