@@ -126,7 +126,7 @@ def test_view_ops_run_in_cpp_and_give_what_cpu_gives(device):
     for qualified in ("aten::view", "aten::as_strided", "aten::unfold", "aten::_reshape_alias",
                       "aten::view_as_real", "aten::set_.source_Storage_storage_offset"):
         assert "native.cpp" in _kernel_source(qualified), qualified
-    assert "device.py" in _kernel_source("aten::cat")  # (ops the C++ kernels do not serve: a Tensor[])
+    assert "device.py" in _kernel_source("aten::_foreach_add_.Scalar")  # (ops the C++ kernels do not serve)
     assert client_device._view_library is None
 
     base = torch.arange(48, dtype=torch.float32).reshape(6, 8)
@@ -199,6 +199,10 @@ OP_CASES = [
     # in place on the first argument, which comes back
     ("add_", lambda x, y: x.add_(y, alpha=2)), ("mul_ scalar", lambda x, y: x.mul_(-0.5)), ("clamp_", lambda x, y: x.clamp_(min=0)),
     ("in place on a view", lambda x, y: (x[1:, 2:].mul_(3), x)[1]), ("in place, int", lambda x, y: (x * 4).long().add_(3)),
+    # a Tensor[] argument
+    ("cat", lambda x, y: torch.cat([x, y, x[:1]])), ("cat dim 1, strided", lambda x, y: torch.cat([x.t(), y.t()[:, 1:]], 1)),
+    ("cat promotes", lambda x, y: torch.cat([x, y.double()])), ("stack", lambda x, y: torch.stack([x, y], -1)),
+    ("cat of a conj view", lambda x, y: torch.cat([x.to(torch.complex64).conj(), y.to(torch.complex64)]).resolve_conj()),
     ("layer_norm backward", lambda x, y: torch.ops.aten.native_layer_norm_backward(y, x, (5,), x.mean(1, keepdim=True),
                                                                                    x.var(1, keepdim=True), y[0], y[1],
                                                                                    [True, False, True])),
@@ -339,6 +343,7 @@ FRAME_PROGRAM = textwrap.dedent("""
         lambda: torch.ops.aten.native_layer_norm_backward(x, x, [5], x[:, :1], x[:, 1:2], y[0, :5], None, [True, True, False]),
         lambda: x.max(1), lambda: torch.arange(1.0, 2.0, 0.25, device="gpuwire"),
         lambda: x.clone().add_(y[:4, :5], alpha=0.5), lambda: x.clone().mul_(2), lambda: x.clone().clamp_(0.1),
+        lambda: torch.cat([x, x.t().t(), y[:, :5]]), lambda: torch.cat([x, x], dim=-1),
     ]
 
     def plain(value):  # (a descriptor without its storage id: the ids differ between runs)

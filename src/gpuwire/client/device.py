@@ -1235,7 +1235,7 @@ def _register_direct(aten_library) -> None:
 # Argument types the native op kernels key, encode and hand to Python (client/native.cpp
 # ``Kind``); Optional[...] of each too.
 _NATIVE_KINDS = {"Tensor": 0, "int": 1, "SymInt": 1, "List[int]": 2, "List[SymInt]": 2, "float": 3, "bool": 4,
-                 "number": 5, "str": 6, "ScalarType": 7, "MemoryFormat": 8, "Layout": 9, "Device": 10, "List[bool]": 11}
+                 "number": 5, "str": 6, "ScalarType": 7, "MemoryFormat": 8, "Layout": 9, "Device": 10, "List[bool]": 11, "List[Tensor]": 12}
 # (name, qualified name, plan, kinds, results (0: in place on its first argument), numbers as numbers, floating tensors only,
 # FunctionalPlan rules: Scalars keyed by value, the inputs' mirrors dropped) of the ops the
 # native kernels serve
@@ -1249,7 +1249,7 @@ def _native_kinds(plan, schema) -> bytes | None:
     ``_NATIVE_KINDS`` (the structured ops, ``add`` to ``addmm`` and ``native_layer_norm``, that
     make most of a step). Of the ops whose results the client mirrors (client/mirror.py) only
     those that mirror integer sums alone, and only on floating tensors (the C++ kernel checks)."""
-    if plan.returns_list or plan.list_positions:
+    if plan.returns_list:
         return None
     if plan.known_values and plan.name not in mirror.EXACT_ARGS_ONLY:
         return None
@@ -1351,7 +1351,7 @@ def _native_learn(plan, args, kwargs):
     if plan.local or plan.numbers and _numbers_in(plan.numbers, args, kwargs):
         return result, None
     try:
-        specs = plan.cache.get(_call_key(args, kwargs, plan.typed, _NOTHING))
+        specs = plan.cache.get(plan.key(args, kwargs))
     except TypeError:
         return result, None
     return result, specs  # (an in-place op's are (): nothing fresh)

@@ -280,7 +280,7 @@ PyObject* configure(PyObject*, PyObject* args) {
 // of each too (None needs no kind).
 enum Kind : uint8_t {
   kTensor = 0, kInt = 1, kIntList = 2, kFloat = 3, kBool = 4, kScalar = 5, kStr = 6, kScalarType = 7,
-  kMemoryFormat = 8, kLayout = 9, kDevice = 10, kBoolList = 11,
+  kMemoryFormat = 8, kLayout = 9, kDevice = 10, kBoolList = 11, kTensorList = 12,
 };
 
 PyObject* learn_hook = nullptr;    // device._native_learn(plan, args, kwargs) -> (result, spec | None)
@@ -416,6 +416,7 @@ struct OpKernel final : public c10::OperatorKernel {
   bool floating_only;       // only floating tensors here (``sum``: the client mirrors integer sums, mirror.py)
   bool functional;          // a FunctionalPlan's rules: a Scalar by its value, the inputs' mirrors dropped
   size_t results = 1;       // fresh results; 0: in place on its first argument, which it returns
+  bool has_lists = false;   // a Tensor[] argument (``cat``): its tensors' mirrored values dropped too
   std::vector<Kind> kinds;
   std::unordered_map<std::string, std::shared_ptr<const Outs>> cache;
 
@@ -513,6 +514,24 @@ struct OpKernel final : public c10::OperatorKernel {
           out.push_back(static_cast<char>(value));
           break;
         }
+        case kTensorList: {
+          if (!v.isTensorList()) return false;
+          const auto tensors = v.toTensorList();
+          out.push_back('W');
+          put_raw<uint32_t>(out, static_cast<uint32_t>(tensors.size()));
+          for (const at::Tensor& t : tensors) {
+            c10::TensorImpl* impl = t.defined() ? plain_gpuwire(t) : nullptr;
+            if (impl == nullptr) return false;
+            out.push_back(static_cast<char>(impl->dtype().toScalarType()));
+            out.push_back(static_cast<char>((impl->is_conj() ? 1 : 0) | (impl->is_neg() ? 2 : 0)));
+            const auto sizes = impl->sizes();
+            const auto strides = impl->strides();
+            put_raw<uint8_t>(out, static_cast<uint8_t>(sizes.size()));
+            for (auto size : sizes) put_raw(out, size);
+            for (auto stride : strides) put_raw(out, stride);
+          }
+          break;
+        }
         case kBoolList: {
           if (!v.isBoolList()) return false;
           const auto values = v.toBoolList();
@@ -583,6 +602,16 @@ struct OpKernel final : public c10::OperatorKernel {
       case kMemoryFormat: out += memory_format_bytes[v.toInt()]; return;
       case kLayout: out += layout_bytes[v.toInt()]; return;
       case kDevice: out += v.toDevice().has_index() ? device_bytes : device_bytes_no_index; return;
+      case kTensorList: {
+        const auto tensors = v.toTensorList();
+        pack_array_header(out, tensors.size());
+        for (const at::Tensor& t : tensors) {
+          std::string descriptor;
+          describe(t.unsafeGetTensorImpl(), descriptor);
+          pack_ext(out, static_cast<int>(tensor_ext_code), descriptor);
+        }
+        return;
+      }
       case kBoolList: {
         const auto values = v.toBoolList();
         pack_array_header(out, values.size());
@@ -667,7 +696,7 @@ struct OpKernel final : public c10::OperatorKernel {
     }
     PyObject* answer = nullptr;
     PyObject* body_bytes = PyBytes_FromStringAndSize(body.data(), static_cast<Py_ssize_t>(body.size()));
-    PyObject* forget = functional || results == 0 ? input_storages(args) : (Py_INCREF(Py_None), Py_None);
+    PyObject* forget = functional || results == 0 || has_lists ? input_storages(args) : (Py_INCREF(Py_None), Py_None);
     if (forget == nullptr) Py_CLEAR(body_bytes);
     if (n == 1) {
       PyObject* ref = PyLong_FromVoidPtr(weak[0]);
@@ -740,12 +769,15 @@ struct OpKernel final : public c10::OperatorKernel {
   // The storage ids of the gpuwire tensors among ``args`` (a tuple; nullptr with an error)
   static PyObject* input_storages(c10::ArrayRef<c10::IValue> args) {
     PyObject* ids = PyList_New(0);
-    for (const c10::IValue& v : args) {
-      if (ids == nullptr || !v.isTensor() || !v.toTensor().defined() || is_wrapped_number(v.toTensor())) continue;
-      PyObject* id = PyLong_FromVoidPtr(
-          const_cast<void*>(v.toTensor().unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()->data()));
+    auto add = [&ids](const at::Tensor& t) {
+      if (ids == nullptr || !t.defined() || is_wrapped_number(t)) return;
+      PyObject* id = PyLong_FromVoidPtr(const_cast<void*>(t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()->data()));
       if (id == nullptr || PyList_Append(ids, id) < 0) Py_CLEAR(ids);
       Py_XDECREF(id);
+    };
+    for (const c10::IValue& v : args) {
+      if (v.isTensor()) add(v.toTensor());
+      else if (v.isTensorList()) for (const at::Tensor& t : v.toTensorList()) add(t);
     }
     return ids;
   }
@@ -895,6 +927,17 @@ struct OpKernel final : public c10::OperatorKernel {
       }
     }
     if (v.isDevice()) return PyObject_CallFunction(device_type_obj, "s", v.toDevice().str().c_str());
+    if (v.isTensorList()) {
+      const auto tensors = v.toTensorList();
+      PyObject* list = PyList_New(static_cast<Py_ssize_t>(tensors.size()));
+      for (size_t i = 0; list && i < tensors.size(); ++i) {
+        const at::Tensor t = tensors[i];
+        PyObject* item = t.defined() ? wrap_tensor(t) : (Py_INCREF(Py_None), Py_None);
+        if (!item) { Py_CLEAR(list); break; }
+        PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), item);
+      }
+      return list;
+    }
     if (v.isBoolList()) {
       const auto values = v.toBoolList();
       PyObject* list = PyList_New(static_cast<Py_ssize_t>(values.size()));
@@ -1048,7 +1091,10 @@ PyObject* register_ops(PyObject*, PyObject* entries) {
     kernel->floating_only = floating != 0;
     kernel->functional = functional != 0;
     kernel->results = static_cast<size_t>(results);
-    for (Py_ssize_t k = 0; k < kinds_size; ++k) kernel->kinds.push_back(static_cast<Kind>(kinds[k]));
+    for (Py_ssize_t k = 0; k < kinds_size; ++k) {
+      kernel->kinds.push_back(static_cast<Kind>(kinds[k]));
+      if (kinds[k] == kTensorList) kernel->has_lists = true;
+    }
     pending.push_back({name, std::move(kernel)});
   }
   Py_DECREF(seq);
