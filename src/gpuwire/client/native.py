@@ -19,7 +19,7 @@ Sits under ``client/device.py`` (installed when a program first attaches to a no
   (``device.use_native_kernels``).
 - **Op kernels.** An op with fresh results (``add``, ``mul``, ``addmm``, ``mm``,
   ``native_layer_norm`` and its backward, ``clone``, ``zeros``, casts ...) or in place on its
-  first argument (``add_``, ``mul_`` ...): ~770 ops whose plan is a ``DirectPlan`` or a
+  first argument (``add_``, ``mul_`` ...): ~790 ops whose plan is a ``DirectPlan`` or a
   ``FunctionalPlan``, most of a training step's messages, whose call
   signature its plan has served is keyed, encoded and its result tensors made in C++; Python is
   called once, to number and queue the message (``Runtime.submit_native``). Every other call
