@@ -1235,10 +1235,11 @@ def _register_direct(aten_library) -> None:
 # Argument types the native op kernels key, encode and hand to Python (client/native.cpp
 # ``Kind``); Optional[...] of each too.
 _NATIVE_KINDS = {"Tensor": 0, "int": 1, "SymInt": 1, "List[int]": 2, "List[SymInt]": 2, "float": 3, "bool": 4,
-                 "number": 5, "str": 6, "ScalarType": 7, "MemoryFormat": 8, "Layout": 9, "Device": 10, "List[bool]": 11, "List[Tensor]": 12}
-# (name, qualified name, plan, kinds, results (0: in place on its first argument), numbers as numbers, floating tensors only,
-# FunctionalPlan rules: Scalars keyed by value, the inputs' mirrors dropped) of the ops the
-# native kernels serve
+                 "number": 5, "str": 6, "ScalarType": 7, "MemoryFormat": 8, "Layout": 9, "Device": 10,
+                 "List[bool]": 11, "List[Tensor]": 12}
+# (name, qualified name, plan, kinds, results (0: in place on its first argument), numbers as
+# numbers, floating tensors only, FunctionalPlan rules: Scalars keyed by value, the inputs'
+# mirrors dropped) of the ops the native kernels serve
 _NATIVE_OPS: list = []
 _op_library = None  # their Python kernels until then
 
@@ -2241,7 +2242,7 @@ def _register_fallback_ops(aten_library, tracing: bool) -> None:
 
 # Ops whose plan is ``_view_plan`` or ``_local`` (a redispatch to CPU's metadata-only kernel):
 # their Python kernels live in a library of their own, which the native helper replaces with C++
-# kernels doing the same redispatch (``use_native_views``).
+# kernels doing the same redispatch (``use_native_kernels``).
 _VIEW_OPS: list[str] = []
 _view_library = None
 

@@ -409,6 +409,16 @@ PyObject* wrap_tensor(const at::Tensor& t) {
   return nullptr;
 }
 
+// A tensor's part of a call signature: dtype, dimensions, sizes, strides
+void key_layout(c10::TensorImpl* impl, std::string& out) {
+  out.push_back(static_cast<char>(impl->dtype().toScalarType()));
+  const auto sizes = impl->sizes();
+  const auto strides = impl->strides();
+  put_raw<uint8_t>(out, static_cast<uint8_t>(sizes.size()));
+  for (auto size : sizes) put_raw(out, size);
+  for (auto stride : strides) put_raw(out, stride);
+}
+
 struct OpKernel final : public c10::OperatorKernel {
   PyObject* plan;   // the op's device.DirectPlan (kept alive by device._NATIVE_OPS)
   PyObject* name;   // "aten::add.Tensor"
@@ -442,12 +452,7 @@ struct OpKernel final : public c10::OperatorKernel {
           if (impl == nullptr) return false;
           if (floating_only && !c10::isFloatingType(impl->dtype().toScalarType())) return false;
           out.push_back('T');
-          out.push_back(static_cast<char>(impl->dtype().toScalarType()));
-          const auto sizes = impl->sizes();
-          const auto strides = impl->strides();
-          put_raw<uint8_t>(out, static_cast<uint8_t>(sizes.size()));
-          for (auto s : sizes) put_raw(out, s);
-          for (auto s : strides) put_raw(out, s);
+          key_layout(impl, out);
           break;
         }
         case kInt: {
@@ -522,13 +527,8 @@ struct OpKernel final : public c10::OperatorKernel {
           for (const at::Tensor& t : tensors) {
             c10::TensorImpl* impl = t.defined() ? plain_gpuwire(t) : nullptr;
             if (impl == nullptr) return false;
-            out.push_back(static_cast<char>(impl->dtype().toScalarType()));
             out.push_back(static_cast<char>((impl->is_conj() ? 1 : 0) | (impl->is_neg() ? 2 : 0)));
-            const auto sizes = impl->sizes();
-            const auto strides = impl->strides();
-            put_raw<uint8_t>(out, static_cast<uint8_t>(sizes.size()));
-            for (auto size : sizes) put_raw(out, size);
-            for (auto stride : strides) put_raw(out, stride);
+            key_layout(impl, out);
           }
           break;
         }

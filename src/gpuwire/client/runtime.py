@@ -448,23 +448,12 @@ class Runtime:
         budget reached): the kernel then takes the general path, which raises or names it.
         ``forget``: storage ids whose mirrored values the op may change (client/mirror.py)."""
         with self.lock:
-            if self._dead is not None or self.sync_every_op:
-                return None
-            budget = self.memory_budget if self.memory_budget is not None else self._device_capacity
-            if budget is not None and self.bytes_in_use + nbytes > budget:
-                return None
             if forget and self.mirror and name == "aten::_to_copy" and forget[0] in self.mirror:
                 return None  # (the Python path makes the copy's values known too: client/mirror.py)
             address = self._next_address
-            frame = self.conn.encode_prepared_op(self.seq + 1, name, body, _ONE_OUT + _pack(address) + out_tail)
-            if frame is None:
+            if not self._queue_native(name, body, _ONE_OUT + _pack(address) + out_tail, nbytes,
+                                      address + ((max(nbytes, 1) + 2 * ALIGN - 1) & ~(ALIGN - 1)), forget):
                 return None
-            self._next_address = address + ((max(nbytes, 1) + 2 * ALIGN - 1) & ~(ALIGN - 1))
-            if forget and self.mirror:
-                forget_storages(self, forget)
-            self.seq += 1
-            self.ops_sent += 1
-            self.enqueue(frame)
             # last: once ``ref`` is kept the kernel must not release it, whatever is raised after
             # (a scan here may queue a Free behind the op)
             self.track_ref(address, ref, nbytes)
@@ -473,30 +462,38 @@ class Runtime:
     def submit_native_many(self, name: str, body: bytes, nbytes: tuple, refs: tuple, out_tails: tuple,
                            forget=None) -> tuple | None:
         """``submit_native`` of an op with several fresh results (one of ``nbytes``, ``refs`` and
-        ``out_tails`` each): their addresses, or None with nothing done."""
+        ``out_tails`` each; none: in place), their addresses, or None with nothing done."""
         with self.lock:
-            if self._dead is not None or self.sync_every_op:
-                return None
-            budget = self.memory_budget if self.memory_budget is not None else self._device_capacity
-            if budget is not None and self.bytes_in_use + sum(nbytes) > budget:
-                return None
             addresses, outs, address = [], [], self._next_address
             for size, tail in zip(nbytes, out_tails):
                 addresses.append(address)
                 outs.append(_OUT_HEAD + _pack(address) + tail)
                 address += (max(size, 1) + 2 * ALIGN - 1) & ~(ALIGN - 1)
-            frame = self.conn.encode_prepared_op(self.seq + 1, name, body, _array_head(len(outs)) + b"".join(outs))
-            if frame is None:
+            if not self._queue_native(name, body, _array_head(len(outs)) + b"".join(outs), sum(nbytes), address,
+                                      forget):
                 return None
-            self._next_address = address
-            if forget and self.mirror:
-                forget_storages(self, forget)
-            self.seq += 1
-            self.ops_sent += 1
-            self.enqueue(frame)
             for storage_id, ref, size in zip(addresses, refs, nbytes):  # (last, as in ``submit_native``)
                 self.track_ref(storage_id, ref, size)
             return tuple(addresses)
+
+    def _queue_native(self, name: str, body: bytes, outs: bytes, nbytes: int, next_address: int, forget) -> bool:
+        """(``self.lock`` held) Queue a native kernel's op whose results take ``nbytes`` up to
+        ``next_address``; False, with nothing done, where the runtime cannot take it so."""
+        if self._dead is not None or self.sync_every_op:
+            return False
+        budget = self.memory_budget if self.memory_budget is not None else self._device_capacity
+        if budget is not None and self.bytes_in_use + nbytes > budget:
+            return False
+        frame = self.conn.encode_prepared_op(self.seq + 1, name, body, outs)
+        if frame is None:
+            return False
+        self._next_address = next_address
+        if forget and self.mirror:
+            forget_storages(self, forget)
+        self.seq += 1
+        self.ops_sent += 1
+        self.enqueue(frame)
+        return True
 
     def synchronize(self) -> None:
         with self.lock:
