@@ -150,7 +150,8 @@ CHECKPOINTED_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
+# (the reentrant variant, PyTorch's legacy one, runs with ``-m slow``: CI's 15 minutes)
+@pytest.mark.parametrize("mode", [pytest.param("reentrant", marks=pytest.mark.slow), "non-reentrant"])
 def test_gradient_checkpointing_with_dropout_recomputes_the_same_masks(node, tmp_path, mode):
     # activation checkpointing restores the device's random state before recomputing a segment,
     # if the device module says it is initialized; otherwise dropout draws new masks and the
@@ -353,7 +354,8 @@ LIGHTNING_SCRIPT = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+# (full precision runs with ``-m slow``: bf16-mixed takes the same Trainer path and autocast too)
+@pytest.mark.parametrize("precision", [pytest.param("32-true", marks=pytest.mark.slow), "bf16-mixed"])
 def test_lightning_trainer_on_accelerator_gpu(node, tmp_path, precision):
     # Lightning picks CUDAAccelerator from torch.cuda, queries the device's name and capability
     # (its Tensor Core hint), moves the module there and back, and checkpoints at the end
