@@ -427,3 +427,15 @@ def test_a_native_in_place_op_drops_the_values_the_client_knew(device):
     for step in range(1, 4):
         m.add_(1)  # (the first teaches the kernel; the others are sent from C++)
         assert m.tolist() == [1 + step, 2 + step, 3 + step]
+
+
+def test_the_ranks_of_a_multi_process_job_keep_the_python_op_kernels_unless_asked(monkeypatch):
+    # (FSDP2 under gpuwire run hung in ~1 run of 3 with the C++ op kernels: not understood yet)
+    from gpuwire.client import device as client_device
+    for env, wanted in (({}, True), ({"WORLD_SIZE": "1"}, True), ({"WORLD_SIZE": "2"}, False),
+                        ({"WORLD_SIZE": "2", "GPUWIRE_NATIVE_OPS": "1"}, True), ({"GPUWIRE_NATIVE_OPS": "0"}, False)):
+        for name in ("WORLD_SIZE", "GPUWIRE_NATIVE_OPS"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        assert client_device._native_ops_wanted() is wanted, env
