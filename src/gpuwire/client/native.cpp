@@ -766,7 +766,7 @@ struct OpKernel final : public c10::OperatorKernel {
     return true;
   }
 
-  // The storage ids of the gpuwire tensors among ``args`` (a tuple; nullptr with an error)
+  // The storage ids of the gpuwire tensors among ``args`` (a list; nullptr with an error)
   static PyObject* input_storages(c10::ArrayRef<c10::IValue> args) {
     PyObject* ids = PyList_New(0);
     auto add = [&ids](const at::Tensor& t) {
