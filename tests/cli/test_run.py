@@ -261,6 +261,35 @@ def test_dataloader_workers_under_gpuwire_run(node, tmp_path):
     assert "total 10416.0" in result.stdout
 
 
+def test_threads_end_holding_no_function_modes(node, tmp_path):
+    """gpuwire pushes its mode on every thread's stack, which PyTorch keeps in C++ thread-local
+    state; left there, it is dropped when the OS thread exits, after ``join()`` returns, under
+    the GIL: a thread exiting as the interpreter finalized aborted the process ("terminate
+    called without an active exception" after a DataLoader with pin_memory, ~1 run in 30).
+    The stack must be empty by the time the thread's Python code ends."""
+    script = tmp_path / "modes.py"
+    script.write_text(textwrap.dedent("""
+        import threading, torch
+        stack_at_end = []
+        def profile(frame, event, arg):
+            if event == "return" and frame.f_code.co_name == "bootstrap_inner":
+                stack_at_end.append(torch._C._len_torch_function_stack())
+        threading.setprofile(profile)
+        class Mode(torch.overrides.TorchFunctionMode):
+            pass
+        def work():
+            torch.ones(1, device="cuda")
+            Mode().__enter__()  # a mode the thread's own code leaves on its stack
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join()
+        print("modes left at the thread's end", stack_at_end)
+    """))
+    result = gpuwire("run", "-q", "--node", node.address, "--", sys.executable, str(script))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "modes left at the thread's end [0]" in result.stdout
+
+
 THREADED_SCRIPT = textwrap.dedent("""
     import sys, tempfile, threading
     from concurrent.futures import ThreadPoolExecutor

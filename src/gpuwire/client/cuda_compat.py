@@ -577,9 +577,20 @@ def _patch_threads() -> None:
 
     @functools.wraps(original)
     def bootstrap_inner(self):
-        if _enabled:
-            CudaToGpuwire().__enter__()  # for the life of the thread, as on the main thread
-        original(self)
+        if not _enabled:
+            return original(self)
+        CudaToGpuwire().__enter__()  # for the life of the thread, as on the main thread
+        try:
+            original(self)
+        finally:
+            # The stack lives in the thread's C++ thread-local state, whose destructor runs
+            # when the OS thread exits (after ``join()`` has returned) and takes the GIL to
+            # drop the modes left on it; a thread ending while the interpreter finalizes is
+            # then killed inside that destructor and the process aborts ("terminate called
+            # without an active exception": a DataLoader's pin-memory thread at the end of a
+            # short script, ~1 run in 30). Emptied here, while the thread still runs Python.
+            while torch._C._len_torch_function_stack():
+                torch._C._pop_torch_function_stack()
 
     threading.Thread._bootstrap_inner = bootstrap_inner
 
