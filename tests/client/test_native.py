@@ -357,17 +357,21 @@ FRAME_PROGRAM = textwrap.dedent("""
             return {k: plain(v) for k, v in value.items()}
         return value
 
-    frames, real = [], rt.enqueue
-    rt.enqueue = lambda frame: (frames.append(frame), real(frame))[1]
+    from gpuwire.client import runtime as runtime_module
+    frames, real = [], runtime_module.send_parts
+    runtime_module.send_parts = lambda sock, parts: (frames.extend(parts), real(sock, parts))[1]
     out = []
     for call in calls:
         for _ in range(3):
+            rt.flush()
             del frames[:]
             call()
+            rt.flush()
         ops = [msgpack.unpackb(f[PREFIX.size:], raw=False, strict_map_key=False) for f in frames]
         ops = [o for o in ops if isinstance(o, list) and len(o) == 6]
         out.append([[o[0], plain(o[3]), plain(o[4]), [d[1:] for d in o[5]]] for o in ops])
     gpuwire.synchronize()
+    assert all(out), f"calls that sent no op: {[i for i, ops in enumerate(out) if not ops]}"
     print(json.dumps(out))
     print(native.status())
 """)

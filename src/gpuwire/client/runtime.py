@@ -446,17 +446,53 @@ class Runtime:
         Returns the result's address; None, with nothing done, where this runtime cannot take
         the op so (dead, syncing every op, the op not yet named on this connection, the memory
         budget reached): the kernel then takes the general path, which raises or names it.
-        ``forget``: storage ids whose mirrored values the op may change (client/mirror.py)."""
+        ``forget``: storage ids whose mirrored values the op may change (client/mirror.py).
+
+        The hottest Python of a step (one call an op): ``_queue_native``, ``enqueue`` and
+        ``track_ref`` are written out here, which measured 0.2-0.3 us an op less than calling
+        them (``x + 1``: 5.3-5.5 -> 5.1-5.2 us, alternated in one process)."""
         with self.lock:
-            if forget and self.mirror and name == "aten::_to_copy" and forget[0] in self.mirror:
-                return None  # (the Python path makes the copy's values known too: client/mirror.py)
-            address = self._next_address
-            if not self._queue_native(name, body, _ONE_OUT + _pack(address) + out_tail, nbytes,
-                                      address + ((max(nbytes, 1) + 2 * ALIGN - 1) & ~(ALIGN - 1)), forget):
+            mirror = self.mirror
+            if forget and mirror:
+                if name == "aten::_to_copy" and forget[0] in mirror:
+                    return None  # (the Python path makes the copy's values known too: client/mirror.py)
+            if self._dead is not None or self.sync_every_op:
                 return None
-            # last: once ``ref`` is kept the kernel must not release it, whatever is raised after
-            # (a scan here may queue a Free behind the op)
-            self.track_ref(address, ref, nbytes)
+            budget = self.memory_budget if self.memory_budget is not None else self._device_capacity
+            if budget is not None and self.bytes_in_use + nbytes > budget:
+                return None
+            address = self._next_address
+            seq = self.seq + 1
+            frame = self.conn.encode_prepared_op(seq, name, body, _ONE_OUT + _pack(address) + out_tail)
+            if frame is None:
+                return None
+            self._next_address = address + ((max(nbytes, 1) + 2 * ALIGN - 1) & ~(ALIGN - 1))
+            if forget and mirror:
+                forget_storages(self, forget)
+            self.seq = seq
+            self.ops_sent += 1
+            # ``enqueue``
+            queue = self._queue
+            now = _perf_counter()
+            if not queue:
+                self._queued_at = now
+            queue.append(frame)
+            self._queue_bytes += len(frame)
+            if self.recovery.logging:
+                self.recovery.log(seq, frame)
+            # ``track_ref``, before any flush: once ``ref`` is kept the kernel must not release
+            # it, whatever is raised after (a send's error)
+            self._live[address] = StorageRef(ref)
+            self._live_bytes[address] = nbytes
+            self.bytes_in_use += nbytes
+            self._allocs_since_scan += 1
+            if len(queue) >= FLUSH_OPS or self._queue_bytes >= FLUSH_BYTES:
+                self._flush()
+            elif now - self._queued_at > self._flush_age:
+                self._flush_age = min(2 * self._flush_age, FLUSH_AGE_MAX)
+                self._flush()
+            if self._allocs_since_scan >= SCAN_EVERY:
+                self._collect_garbage()
             return address
 
     def submit_native_many(self, name: str, body: bytes, nbytes: tuple, refs: tuple, out_tails: tuple,
