@@ -323,6 +323,43 @@ def test_native_ops_refuse_past_the_memory_budget_and_train_on_the_device_thread
 # calls whose messages the C++ path and the Python path must write alike: trailing positional
 # defaults, keyword-only arguments at and off their defaults, numbers of each kind, factories,
 # memory formats, lists of bools, several results
+REATTACH_PROGRAM = textwrap.dedent("""
+    import gc, os, weakref, torch, gpuwire
+    from gpuwire.client import device, native
+    def known_calls(rt):
+        x = torch.arange(4.0, device="gpuwire")
+        for _ in range(3):
+            y = x * 2.0  # (the first call teaches the kernel; the others take C++)
+        before = rt.ops_sent
+        y = x * 2.0
+        return rt.ops_sent - before, y.cpu().tolist()
+    first = gpuwire.attach(os.environ["GPUWIRE_NODE"])
+    print("first", known_calls(first))
+    gone = weakref.ref(first)
+    gpuwire.detach()
+    del first
+    gc.collect()
+    print("first runtime freed after detach", gone() is None)
+    second = gpuwire.attach(os.environ["GPUWIRE_NODE"])
+    print("second", known_calls(second))
+    print(native.status())
+""")
+
+
+@needs_a_compiler
+def test_a_detached_runtime_is_freed_and_the_op_kernels_serve_the_next(node):
+    """After ``detach()`` nothing keeps the old runtime (its socket, its recovery log, its
+    tracked storages) alive — its exit handler did — and after a new ``attach()`` a call the
+    C++ kernels know goes to the new session."""
+    done = subprocess.run([sys.executable, "-c", REATTACH_PROGRAM], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "GPUWIRE_NODE": node.address})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines[-1] == "native"
+    assert lines[-4:-1] == ["first (1, [0.0, 2.0, 4.0, 6.0])", "first runtime freed after detach True",
+                            "second (1, [0.0, 2.0, 4.0, 6.0])"]
+
+
 FRAME_PROGRAM = textwrap.dedent("""
     import json, sys, msgpack, torch, gpuwire
     from gpuwire.client import device, native

@@ -258,6 +258,7 @@ class Runtime:
             live, self._live = self._live, {}
             for ref in live.values():
                 ref.release()
+        atexit.unregister(self._close_at_exit)  # (it kept every closed runtime alive until exit)
 
     @property
     def alive(self) -> bool:
