@@ -2084,6 +2084,11 @@ def _to_copy_from_host(src, kwargs):
     rt = runtime()
     with rt.lock:
         dst = new_empty(rt, tuple(src.shape), strides, src.dtype)
+    if src.numel() == 0:
+        # nothing to send (transformers' KV caches start as ``torch.tensor([], device=...)``,
+        # two a layer every training step): 20.6 -> 16.6 us a call
+        mirror.remember(rt, dst, src)
+        return dst
     return upload(src, dst)
 
 
