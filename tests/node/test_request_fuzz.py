@@ -35,7 +35,7 @@ import time
 import msgpack
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from gpuwire.client.runtime import FIRST_ADDRESS, Runtime
@@ -395,8 +395,16 @@ def attackers(fuzz_node, good):
         pool.current.close()
 
 
+# a tensor where the op takes a list of sizes: a zero-stride view of ~10^17 elements (in bounds:
+# one element) that PyTorch's argument parser iterated element by element, hanging the session
+HUGE_ZERO_STRIDE_VIEW = msgpack.ExtType(1, msgpack.packb([ATTACKER_IDS[1], 0, [266383738, 56596, 12734], [0, 0, 0], 0, 0]))
+
+
 @settings(max_examples=examples(1200), **FUZZ)
 @given(batch=hostile_batches())
+@example(batch=[Op(seq=0, name="aten::new_empty", args=[msgpack.ExtType(1, msgpack.packb([ATTACKER_IDS[0], 0, [], [], 0, 0])),
+                                                         HUGE_ZERO_STRIDE_VIEW], kwargs={}, outs=[])])
+@example(batch=[CallSync(seq=0, name="aten::view", args=[HUGE_ZERO_STRIDE_VIEW, HUGE_ZERO_STRIDE_VIEW], kwargs={})])
 def test_hostile_well_formed_frames(fuzz_node, good, attackers, batch):
     attacker = attackers.get()
     frames, goodbye = [], False

@@ -658,9 +658,11 @@ class Session:
             kind = _OP_KINDS.get(name)
             if kind is None:
                 kind = _OP_KINDS[name] = _op_kind(name, fn)
-            entry = self._op_entries[name] = (fn, _direct(fn), kind)
-        fn, call, kind = entry
+            entry = self._op_entries[name] = (fn, _direct(fn), kind, _number_list_slots(fn))
+        fn, call, kind, number_lists = entry
         args, kwargs, outs = event.args, event.kwargs, event.outs
+        if number_lists:
+            _refuse_tensors_as_number_lists(name, number_lists, args, kwargs)
         self._guard_allocation(event, fn, kind)
         out_state = None
         if kind is _OUT and not outs:
@@ -850,6 +852,7 @@ class Session:
 
     def _call_sync(self, event: CallSync):
         fn = self.ops.resolve(event.name)
+        _refuse_tensors_as_number_lists(event.name, _number_list_slots(fn), event.args, event.kwargs)
         self._guard_allocation(event, fn)
         with self.rng.lock:
             self.rng.acquire(self)
@@ -1035,6 +1038,36 @@ def _forwarding_call(self, /, *args, **kwargs):
 
 _FORWARDS = all(getattr(_overload_call.__code__, a) == getattr(_forwarding_call.__code__, a)
                 for a in ("co_code", "co_names", "co_consts", "co_varnames", "co_argcount", "co_posonlyargcount"))
+
+
+def _number_list_slots(fn) -> tuple:
+    """(position, name) of the arguments ``fn``'s schema takes as a list of numbers or booleans
+    (``size`` of ``new_empty``, ``dim`` of ``sum``)."""
+    schema = getattr(fn, "_schema", None)
+    if schema is None:
+        return ()
+    slots = []
+    for index, argument in enumerate(schema.arguments):
+        type_name = str(argument.type)
+        if type_name.startswith("Optional["):
+            type_name = type_name[len("Optional["):-1]
+        if type_name.startswith("List[") and "Tensor" not in type_name:
+            slots.append((index, argument.name))
+    return tuple(slots)
+
+
+_MAX_NUMBER_LIST = 4096  # (no op takes a longer list of sizes or dims)
+
+
+def _refuse_tensors_as_number_lists(name: str, slots, args, kwargs) -> None:
+    """A client sends sizes and dims as lists; a tensor there (hostile: a zero-stride view of
+    10^17 elements) made PyTorch's argument parser iterate it element by element, which hung
+    the session's thread. Refused before any call, with what was wrong."""
+    for index, argument in slots:
+        value = args[index] if index < len(args) else kwargs.get(argument) if type(kwargs) is dict else None
+        if type(value) is _TENSOR and value.numel() > _MAX_NUMBER_LIST:
+            raise SessionError(f"{name}: argument {argument!r} takes a list of numbers, not a tensor of "
+                               f"{value.numel()} elements")
 
 
 def _op_kind(name: str, fn) -> str:
