@@ -852,7 +852,10 @@ class Session:
 
     def _call_sync(self, event: CallSync):
         fn = self.ops.resolve(event.name)
-        _refuse_tensors_as_number_lists(event.name, _number_list_slots(fn), event.args, event.kwargs)
+        slots = _SYNC_NUMBER_LISTS.get(event.name)
+        if slots is None:  # (a name ``resolve`` accepted: one entry an aten op at most)
+            slots = _SYNC_NUMBER_LISTS[event.name] = _number_list_slots(fn)
+        _refuse_tensors_as_number_lists(event.name, slots, event.args, event.kwargs)
         self._guard_allocation(event, fn)
         with self.rng.lock:
             self.rng.acquire(self)
@@ -1056,6 +1059,7 @@ def _number_list_slots(fn) -> tuple:
     return tuple(slots)
 
 
+_SYNC_NUMBER_LISTS: dict = {}  # CallSync op name -> its ``_number_list_slots`` (schemas do not change)
 _MAX_NUMBER_LIST = 4096  # (no op takes a longer list of sizes or dims)
 
 
