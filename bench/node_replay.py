@@ -103,7 +103,8 @@ def replay(path: str, runs: int) -> None:
     data = open(path, "rb").read()
     from gpuwire.node import native
     native.install()
-    print(f"node helpers: {native.status()}")
+    from gpuwire.node import loop
+    print(f"node helpers: {native.status()}, op loop: {loop.status()}")
     backend = Backend.select("cpu")
     rng, ops = node_session.RngOwner(backend), OpTable()
     for _ in range(runs):
@@ -111,7 +112,7 @@ def replay(path: str, runs: int) -> None:
         session = node_session.Session(backend, rng, ops)
         conn.receive_data(data)
         conn.next_event()  # the Hello
-        conn.bind(ext_hook=session.decode_hook, payload_sink=session.payload_sink)
+        conn.bind(ext_hook=session.decode_hook, payload_sink=session.payload_sink, op_runner=session.op_runner)
         conn.send(Welcome(server_version="replay", capabilities=[], session_id=session.id,
                           device=backend.describe(), limits={}, resume={}))
         events, decoding, handling = 0, 0.0, 0.0

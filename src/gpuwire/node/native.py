@@ -65,4 +65,7 @@ def install() -> bool:
                          session.NODE_ID_BASE, session.VIEW_CACHE_MAX)
 
     module, _failure = _native.install(SOURCE, MODULE, setup)
+    if module is not None:
+        from . import loop
+        loop.install()  # (built on these helpers: node/loop.py)
     return module is not None

@@ -24,6 +24,7 @@ from .. import __version__
 from .._io import send_parts
 from ..protocol import CLOSED, NEED_DATA, Connection, Limits, ProtocolError, Role, check_hello
 from ..protocol.events import Data, Goodbye, Hello, Notice, Read, Reject, Welcome
+from . import loop as node_loop
 from . import native as node_native
 from .backend import Backend
 from .ops import OpTable
@@ -83,7 +84,7 @@ class NodeServer:
         self.quantum = 0.005  # seconds of device time a session runs before the scheduler may switch
         self.ops = OpTable(self.backend.kind)
         node_native.install()  # (before any session: each takes the C++ helpers or Python's for life)
-        log.info("per-op helpers: %s", node_native.status())
+        log.info("per-op helpers: %s; op loop: %s", node_native.status(), node_loop.status())
         self.sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
@@ -170,7 +171,7 @@ class NodeServer:
                         for s in self.sessions.values()]
         return {"device": self.backend.describe(), "server_version": __version__, "utilization": round(utilization, 1),
                 "bytes_in_use": sum(s["bytes_in_use"] for s in sessions), "sessions": sessions,
-                "uptime_s": round(now - self.started, 1), "helpers": node_native.status()}
+                "uptime_s": round(now - self.started, 1), "helpers": node_native.status(), "op_loop": node_loop.status()}
 
     # ------------------------------------------------------------ one connection
 
@@ -221,7 +222,7 @@ class NodeServer:
             session.peer = peer
             session.parked_until = None
             self._sockets[session.id] = sock
-            conn.bind(ext_hook=session.decode_hook, payload_sink=session.payload_sink)
+            conn.bind(ext_hook=session.decode_hook, payload_sink=session.payload_sink, op_runner=session.op_runner)
             session.conn = conn
             if resumed:
                 conn.continue_decoding_from(session.peer_op_names)

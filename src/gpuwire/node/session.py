@@ -43,6 +43,7 @@ from ..protocol.events import (
     SyncDone,
     Write,
 )
+from . import loop as node_loop
 from . import native as node_native
 from .backend import Backend
 from ..pool.sizes import format_size
@@ -83,6 +84,17 @@ _unpack_tensor_ref_fields = codec.unpack_tensor_ref_fields
 _pack_descriptor = msgpack.Packer(use_bin_type=True, autoreset=True).pack
 
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+class RanOp:
+    """An Op frame the native loop ran while it was being decoded (node/loop.py): nothing is
+    left for ``Session.handle`` to do but the session loop's bookkeeping of its ``seq``."""
+
+    __slots__ = ("seq",)
+    expects_reply = False
+
+    def __init__(self, seq: int):
+        self.seq = seq
 
 
 class SessionError(Exception):
@@ -190,6 +202,12 @@ class Session:
         # what the connection decodes tensor descriptors with (``ext_hook``, cached views in C++)
         self.decode_hook = helpers.TensorHook(self._views, self._view_keys, self.storages, self._view_bases,
                                               self.ext_hook) if helpers is not None else self.ext_hook
+        # what the connection offers each Op frame's bytes to (``Connection.bind(op_runner=...)``)
+        self._loop = None
+        if node_loop.module is not None and self._native_adopt is not None:
+            self._loop = node_loop.module.Loop(self, self.decode_hook, rng, rng.lock, self._native_adopt,
+                                               device_type, self._device_index, self.device)
+        self.op_runner = self._loop.run if self._loop is not None else None
 
     # ------------------------------------------------------------ decoding hooks
 
@@ -454,13 +472,16 @@ class Session:
         self._live_ptrs.clear()
         self.bytes_in_use = 0
         self.rng.release(self)
+        self._loop = self.op_runner = None  # (the loop holds the session: no cycle outlives it)
 
     # ------------------------------------------------------------ events
 
     def handle(self, event):
         """Run one event; return the reply event or None. Never raises for a client's mistake."""
-        seq = getattr(event, "seq", 0)
         cls = type(event)
+        if cls is RanOp:
+            return None
+        seq = getattr(event, "seq", 0)
         if self._thread != _get_ident():
             _apply_thread_count()
             self._thread = _get_ident()
@@ -549,14 +570,16 @@ class Session:
             return self.memory_budget - self.bytes_in_use
         return self._device_memory() - self.bytes_in_use
 
-    def _guard_allocation(self, event: Op | CallSync, fn, kind: str | None = None) -> None:
+    def _guard_allocation(self, event: Op | CallSync, fn, kind: str | None = None) -> int:
         """Refuse, before running, an op whose results could not fit, so a hostile client
         cannot make the node allocate the machine away: the sizes the client declared, and
         the sizes a run of the op on meta tensors computes from the real arguments' shapes,
         strides and dtypes (``repeat`` with huge repeats, ``new_empty``, broadcasting,
         factories). The meta answer is cached per (op, argument signature), so an op seen
         before costs one signature and one dict lookup. An op may not grow an existing
-        storage (an out= tensor of the wrong size): that memory would escape the budget."""
+        storage (an out= tensor of the wrong size): that memory would escape the budget.
+        Returns the fresh bytes it measured for the op's results and temporaries (what the
+        native loop may run the same signature within), -1 where it measured none."""
         outs = event.outs if type(event) is Op else None  # (a CallSync declares nothing)
         room = None
         if outs:
@@ -578,12 +601,12 @@ class Session:
             first = args[0] if args else None
             if type(first) is _TENSOR and first.numel() > _LARGE:
                 self._check_width(name, first.numel() * first.element_size())
-            return
+            return 0
         if kind is _RECOMPUTE:  # the inner aten op runs here: check that one
             name, fn, args, kwargs = _recomputed_op(name, args)
             kind = _OP_KINDS.get(name) or _OP_KINDS.setdefault(name, _op_kind(name, fn))
             if kind is _IN_PLACE:
-                return
+                return -1
         sizer = _SDPA_SIZERS.get(name)
         if sizer is not None and not kwargs:
             sized = sizer(args)
@@ -600,7 +623,7 @@ class Session:
                                 f"{self.device.type} node takes for these arguments (dropout, or a layout no fused "
                                 "kernel supports): shorten the sequences or batch, or drop attention dropout")
                     raise _no_room(name, fresh, room, how)
-                return
+                return fresh
         # out= ops return their out= arguments, whose result shapes do not depend on strides:
         # their signature leaves strides out (the hot path of structured kernels)
         strided = kind is not _OUT
@@ -622,7 +645,7 @@ class Session:
             if bound is not None and bound > fresh:
                 fresh, how = bound, "computed from its arguments' values"
         if fresh < 0:
-            return  # no meta answer (no meta kernel, invalid arguments): the real run decides
+            return -1  # no meta answer (no meta kernel, invalid arguments): the real run decides
         if resized is not None or grown:
             what = (f"resize an argument of shape {list(resized[0])} to {list(resized[1])}" if resized is not None
                     else f"grow an existing storage by {format_size(grown)}")
@@ -634,6 +657,7 @@ class Session:
                 room = self._room()
             if fresh > room:
                 raise _no_room(name, fresh, room, how)
+        return fresh
 
     def _check_width(self, name: str, nbytes: int) -> None:
         """A zero-stride view passes the bounds check however large it is; a kernel over one
@@ -658,12 +682,13 @@ class Session:
             kind = _OP_KINDS.get(name)
             if kind is None:
                 kind = _OP_KINDS[name] = _op_kind(name, fn)
-            entry = self._op_entries[name] = (fn, _direct(fn), kind, _number_list_slots(fn))
-        fn, call, kind, number_lists = entry
+            entry = self._op_entries[name] = (fn, _direct(fn), kind, _number_list_slots(fn),
+                                              _loop_eligible(name, fn, kind))
+        fn, call, kind, number_lists, loop_eligible = entry
         args, kwargs, outs = event.args, event.kwargs, event.outs
         if number_lists:
             _refuse_tensors_as_number_lists(name, number_lists, args, kwargs)
-        self._guard_allocation(event, fn, kind)
+        fresh = self._guard_allocation(event, fn, kind)
         out_state = None
         if kind is _OUT and not outs:
             out_state = [(value, value.is_conj(), value.is_neg(), value.stride())
@@ -689,7 +714,10 @@ class Session:
                     if self._device_index != -1 or not LOW_PRECISION_REFUSED.search(str(exc)):
                         raise
                     result = run_upcast(fn, args, kwargs)
+                    loop_eligible = False  # (this signature stays Python's)
         self.ops_run += 1
+        if self._loop is not None:  # the native loop runs this signature from now on
+            self._loop.learn(event.seq, name, loop_eligible, fresh)
         if out_state is not None:
             self._restore_out_layouts(out_state)
         if outs:
@@ -713,6 +741,18 @@ class Session:
                     self.allocate(out[0], out[1])
                 else:
                     self._adopt(tensor, out)
+
+    def _native_loop_failed(self, seq: int, name: str, exc: BaseException, outs: list) -> bool:
+        """The native loop's op ``name`` (frame ``seq``) raised ``exc`` in its kernel or while its
+        results were stored: report it as ``handle`` reports a failed op (True), or False where
+        the Python path must run it again (a CPU kernel without half precision: ``_run_op``
+        computes it in float32; the kernel raised before writing anything)."""
+        if (self._device_index == -1 and isinstance(exc, (RuntimeError, NotImplementedError))
+                and LOW_PRECISION_REFUSED.search(str(exc))):
+            return False
+        self._fail(seq, name, exc)
+        self._fill_outs(Op(seq=seq, name=name, outs=outs))
+        return True
 
     def _restore_out_layouts(self, before: list) -> None:
         """Put an out= kernel's result in the layout the client knows. The kernel's changes to
@@ -1072,6 +1112,23 @@ def _refuse_tensors_as_number_lists(name: str, slots, args, kwargs) -> None:
         if type(value) is _TENSOR and value.numel() > _MAX_NUMBER_LIST:
             raise SessionError(f"{name}: argument {argument!r} takes a list of numbers, not a tensor of "
                                f"{value.numel()} elements")
+
+
+def _loop_eligible(name: str, fn, kind: str) -> bool:
+    """Whether the native loop (node/loop.py) may run op ``name`` for signatures the Python
+    path has run: an aten op called as its Python binding calls it, whose memory the guard
+    measures per signature (no out=, no value-dependent sizes), with no random numbers (the
+    device generator is swapped between sessions in Python), no session state, and tensor
+    results only."""
+    if (type(fn) is not _OpOverload or not name.startswith("aten::") or kind not in (_CHECKED, _IN_PLACE)
+            or _direct(fn) is fn or name in SESSION_OPS or name in _SDPA_SIZERS or name in _VALUE_SIZED_OPS):
+        return False
+    if torch.Tag.nondeterministic_seeded in fn.tags:
+        return False
+    schema = fn._schema
+    if any("Generator" in str(argument.type) for argument in schema.arguments):
+        return False
+    return all(str(result.type) == "Tensor" for result in schema.returns)
 
 
 def _op_kind(name: str, fn) -> str:

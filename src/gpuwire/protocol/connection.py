@@ -123,6 +123,7 @@ class Connection:
         self.state = State.HANDSHAKE
         self._packer = msgpack.Packer(default=default or codec.default, use_bin_type=True, autoreset=True)
         self._ext_hook = ext_hook or codec.ext_hook
+        self._op_runner = None  # see ``bind``
         self._buffer = bytearray()
         self._pos = 0
         self._eof = False
@@ -233,11 +234,17 @@ class Connection:
             raise ProtocolError("too many distinct op names on one connection")
         self._op_names = list(names)
 
-    def bind(self, *, ext_hook=None, payload_sink=None) -> None:
+    def bind(self, *, ext_hook=None, payload_sink=None, op_runner=None) -> None:
         """Attach the application's decoding hooks once it knows who the peer is (a node learns
-        from the Hello whether the connection starts a session or resumes one)."""
+        from the Hello whether the connection starts a session or resumes one).
+
+        ``op_runner(raw_header, op_names)``: offered each complete ``Op`` frame's header bytes
+        before they are decoded; it returns the event to hand out in its place (the node's
+        native loop ran the op from the bytes: node/loop.py), or None and the frame is decoded
+        as usual. The protocol itself stays pure: the hook is the application's."""
         self._ext_hook = ext_hook or codec.ext_hook
         self._payload_sink = payload_sink
+        self._op_runner = op_runner
 
     def adopt_op_names(self, names: list[str]) -> bytes:
         """Take ``names`` as our outgoing table (a node handing a client's session to another
@@ -324,6 +331,11 @@ class Connection:
                         and not (end > (1 << 20) and end * 2 > len(buf))):
                     raw_header = buf[start + _PREFIX_SIZE:end]
                     self._pos = end  # consumed before decoding: a bad frame is never seen twice
+                    runner = self._op_runner
+                    if runner is not None and raw_header.startswith(_OP_HEAD) and self.state is _OPEN:
+                        event = runner(raw_header, self._op_names)
+                        if event is not None:
+                            return event
                     header = self._decode_header(raw_header)
                     if header[0] == _OP and self.state is _OPEN and self._receives_ops:
                         event = self._fast_op(header)
