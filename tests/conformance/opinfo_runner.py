@@ -117,7 +117,7 @@ def coordinate(args) -> dict:
             cmd += ["--max-samples", str(args.max_samples)]
         cmd += ["--dtype", args.dtype]
         if args.repeat:
-            cmd.append("--repeat")
+            cmd += ["--repeat", str(args.repeat)]
         if args.verbose:
             cmd.append("-v")
         worker = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
@@ -373,7 +373,7 @@ class Context:
         self.max_samples = max_samples
         self.verbose = verbose
         self.device = torch.device("gpuwire", 0)
-        self.repeat = False  # run each device call once first, on its own copy (``--repeat``)
+        self.repeat = 0  # run each device call this many times first, each on its own copy (``--repeat``)
 
     # ------------------------------------------------------------ one op
 
@@ -467,7 +467,7 @@ class Context:
             return "no_device", None  # no tensor and no device in the sample: both runs are CPU runs
         try:
             with Deadline(self.timeout):
-                if self.repeat:  # (the compared call then takes the paths of a signature seen before)
+                for _ in range(self.repeat):  # (the compared call then takes the paths of a signature seen before)
                     memo = {}
                     first = (self.to_device(sample.input, memo),
                              sample.args if self.keep_args_on_cpu else self.to_device(sample.args, memo),
@@ -727,10 +727,10 @@ def parse_args(argv=None):
                         help="dtype of the samples (default float32; half precision finds where shape "
                              "inference and the node's kernels disagree on mixed-precision outputs)")
     parser.add_argument("--max-samples", type=int, default=None, help="at most this many samples per op")
-    parser.add_argument("--repeat", action="store_true",
-                        help="run each device call once before the compared one (on its own copy of the sample), "
-                             "so the compared call takes the paths of a signature seen before (the client's "
-                             "caches and C++ op kernels)")
+    parser.add_argument("--repeat", nargs="?", type=int, const=1, default=0, metavar="N",
+                        help="run each device call N times (default 1) before the compared one, each on its own "
+                             "copy of the sample, so the compared call takes the paths of a signature seen before "
+                             "(once: the client's caches and C++ op kernels; twice: the node's native op loop too)")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per sample (default 30)")
     parser.add_argument("--hang-timeout", type=float, default=180.0,
                         help="kill and restart a worker that reports nothing for this long (default 180 s)")
