@@ -268,3 +268,5 @@ def test_a_node_says_whether_it_runs_the_loop(node):
     info, _ = fetch(node.address, None)
     # (a node process builds its own loop: with a compiler here, it runs it)
     assert info["op_loop"] == "native" if BUILDS else info["op_loop"].startswith("python ("), info["op_loop"]
+    if BUILDS:  # what it ran, and why the rest went to Python
+        assert {"ran", "new op", "new signature", "not eligible", "failed"} <= set(info["op_loop_frames"])

@@ -171,7 +171,8 @@ class NodeServer:
                         for s in self.sessions.values()]
         return {"device": self.backend.describe(), "server_version": __version__, "utilization": round(utilization, 1),
                 "bytes_in_use": sum(s["bytes_in_use"] for s in sessions), "sessions": sessions,
-                "uptime_s": round(now - self.started, 1), "helpers": node_native.status(), "op_loop": node_loop.status()}
+                "uptime_s": round(now - self.started, 1), "helpers": node_native.status(), "op_loop": node_loop.status(),
+                "op_loop_frames": node_loop.module.stats() if node_loop.module is not None else {}}
 
     # ------------------------------------------------------------ one connection
 
