@@ -10,7 +10,6 @@ must show that it ran the frames it was meant to."""
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 import torch
@@ -23,10 +22,7 @@ from gpuwire.node.session import RanOp, RngOwner, Session
 from gpuwire.protocol import NEED_DATA, Connection, Role, codec
 from gpuwire.protocol.events import Alloc, Device, DType, Hello, Layout, MemoryFormat, Op, Sync, TensorRef, Welcome, Write
 
-F32 = codec.DTYPE_CODES["float32"]
-I32 = codec.DTYPE_CODES["int32"]
-I64 = codec.DTYPE_CODES["int64"]
-BUILDS = shutil.which(os.environ.get("CXX", "c++")) is not None and os.environ.get("GPUWIRE_NATIVE", "1") != "0"
+from .test_native import BUILDS
 
 
 @pytest.fixture(scope="module", autouse=True)

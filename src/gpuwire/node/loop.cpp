@@ -18,6 +18,8 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include "../_native_common.h"
+
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -28,7 +30,8 @@
 
 namespace {
 
-constexpr int kCodes = 64;
+using gpuwire_common::int_tuple;
+using gpuwire_common::kCodes;
 constexpr size_t kMaxList = 4096;      // longer lists: the Python path (and its limits)
 constexpr size_t kMaxLearned = 1 << 14;  // learned signatures, node-wide (cleared when full)
 
@@ -139,21 +142,15 @@ struct Reader {
     p += n;
     return true;
   }
-  // an array's length; false for anything else
-  bool array(size_t* n) {
+  // an array's (or a map's) length; false for anything else
+  bool array(size_t* n) { return container(n, 0x90, 0xdc); }
+  bool map(size_t* n) { return container(n, 0x80, 0xde); }
+  bool container(size_t* n, unsigned char fixed, unsigned char sized16) {  // (sized16 + 1: 32-bit length)
     if (p >= end) return false;
     const unsigned char c = *p;
-    if ((c & 0xf0) == 0x90) { ++p; *n = c & 0x0f; return true; }
-    if (c == 0xdc) { ++p; *n = be(2); return ok; }
-    if (c == 0xdd) { ++p; *n = be(4); return ok; }
-    return false;
-  }
-  bool map(size_t* n) {
-    if (p >= end) return false;
-    const unsigned char c = *p;
-    if ((c & 0xf0) == 0x80) { ++p; *n = c & 0x0f; return true; }
-    if (c == 0xde) { ++p; *n = be(2); return ok; }
-    if (c == 0xdf) { ++p; *n = be(4); return ok; }
+    if ((c & 0xf0) == fixed) { ++p; *n = c & 0x0f; return true; }
+    if (c == sized16) { ++p; *n = be(2); return ok; }
+    if (c == sized16 + 1) { ++p; *n = be(4); return ok; }
     return false;
   }
   // an ext value: its code and data; false for anything else
@@ -478,20 +475,6 @@ int read_int(PyObject* obj, PyObject* name, int64_t* out, bool* none = nullptr) 
   return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
-PyObject* int_list(c10::IntArrayRef values) {
-  PyObject* list = PyList_New(static_cast<Py_ssize_t>(values.size()));
-  if (list == nullptr) return nullptr;
-  for (size_t k = 0; k < values.size(); ++k) {
-    PyObject* item = PyLong_FromLongLong(values[k]);
-    if (item == nullptr) {
-      Py_DECREF(list);
-      return nullptr;
-    }
-    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(k), item);
-  }
-  return list;
-}
-
 // an op's declared output: [storage id, nbytes, sizes, strides, dtype code]
 struct Out {
   int64_t storage_id, nbytes, code;
@@ -499,8 +482,8 @@ struct Out {
 };
 
 PyObject* out_list(const Out& out) {
-  PyObject* sizes = int_list(out.sizes);
-  PyObject* strides = sizes ? int_list(out.strides) : nullptr;
+  PyObject* sizes = int_tuple(out.sizes);
+  PyObject* strides = sizes ? int_tuple(out.strides) : nullptr;
   PyObject* list = strides ? Py_BuildValue("[LLOOL]", static_cast<long long>(out.storage_id),
                                            static_cast<long long>(out.nbytes), sizes, strides,
                                            static_cast<long long>(out.code))
@@ -915,7 +898,7 @@ PyMethodDef loop_methods[] = {
 
 PyTypeObject LoopType = {PyVarObject_HEAD_INIT(nullptr, 0) "gpuwire_node_loop.Loop"};
 
-// configure(RanOp, APPLIED_PRECISION, dtype codes {c10 scalar type: wire code}, ext codes
+// configure(RanOp, APPLIED_PRECISION, node/native.py's dtype_table(), ext codes
 // (tensor, dtype, device, memory format, layout), the strided layout's wire code)
 PyObject* configure(PyObject*, PyObject* args) {
   PyObject *ran, *applied, *table;
@@ -924,17 +907,8 @@ PyObject* configure(PyObject*, PyObject* args) {
     return nullptr;
   }
   for (int& v : scalar_of_code) v = -1;
-  PyObject *k, *v;
-  Py_ssize_t pos = 0;
-  while (PyDict_Next(table, &pos, &k, &v)) {
-    const long scalar = PyLong_AsLong(k), code = PyLong_AsLong(v);
-    if (PyErr_Occurred()) return nullptr;
-    if (code < 0 || code >= kCodes) {
-      PyErr_SetString(PyExc_ValueError, "wire dtype code out of range");
-      return nullptr;
-    }
-    scalar_of_code[code] = static_cast<int>(scalar);
-  }
+  if (gpuwire_common::read_dtype_table(table, [](int scalar, int code, PyObject*) { scalar_of_code[code] = scalar; }) < 0)
+    return nullptr;
   Py_INCREF(ran);
   Py_XSETREF(ran_type, ran);
   Py_INCREF(applied);

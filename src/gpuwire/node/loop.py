@@ -26,7 +26,6 @@ once per machine); ``GPUWIRE_NATIVE=0`` or ``GPUWIRE_NODE_LOOP=0`` keeps the Pyt
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 
 import torch
@@ -61,13 +60,7 @@ def install() -> bool:
     def setup(loaded) -> None:
         if native.module is None:
             raise RuntimeError("the node's native helpers are not installed")
-        table = {}
-        with warnings.catch_warnings():  # (complex32: "experimental")
-            warnings.simplefilter("ignore")
-            for code, dtype in enumerate(session.TORCH_DTYPES):
-                if dtype is not None:
-                    table[native.module.scalar_type(torch.empty(0, dtype=dtype))] = code
-        loaded.configure(session.RanOp, ops.APPLIED_PRECISION, table,
+        loaded.configure(session.RanOp, ops.APPLIED_PRECISION, native.dtype_table(native.module.scalar_type),
                          (codec.EXT_TENSOR, codec.EXT_DTYPE, codec.EXT_DEVICE, codec.EXT_MEMORY_FORMAT, codec.EXT_LAYOUT),
                          session.LAYOUTS.index(torch.strided))
 

@@ -45,6 +45,19 @@ def status() -> str:
     return f"python ({_failure})" if _failure else "python (not installed)"
 
 
+def dtype_table(scalar_type) -> dict:
+    """{c10::ScalarType number: (wire dtype code, torch.dtype)}, what the C++ helpers decode
+    dtypes by (``scalar_type``: a helper module's, which reads the number off a tensor)."""
+    from . import session
+    table = {}
+    with warnings.catch_warnings():  # (complex32: "experimental")
+        warnings.simplefilter("ignore")
+        for code, dtype in enumerate(session.TORCH_DTYPES):
+            if dtype is not None:
+                table[scalar_type(torch.empty(0, dtype=dtype))] = (code, dtype)
+    return table
+
+
 def install() -> bool:
     """Build (if needed), load and configure the helpers; False, with the reason kept for
     ``status()``, where the Python paths stay. Idempotent."""
@@ -55,14 +68,8 @@ def install() -> bool:
     from . import session
 
     def setup(loaded) -> None:
-        table = {}
-        with warnings.catch_warnings():  # (complex32: "experimental")
-            warnings.simplefilter("ignore")
-            for code, dtype in enumerate(session.TORCH_DTYPES):
-                if dtype is not None:
-                    table[loaded.scalar_type(torch.empty(0, dtype=dtype))] = (code, dtype)
-        loaded.configure(torch.Tensor, codec.EXT_TENSOR, table, session._LIST, session._KWARGS,
-                         session.NODE_ID_BASE, session.VIEW_CACHE_MAX)
+        loaded.configure(torch.Tensor, codec.EXT_TENSOR, dtype_table(loaded.scalar_type), session._LIST,
+                         session._KWARGS, session.NODE_ID_BASE, session.VIEW_CACHE_MAX)
 
     module, _failure = _native.install(SOURCE, MODULE, setup)
     if module is not None:

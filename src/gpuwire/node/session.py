@@ -534,7 +534,7 @@ class Session:
                 if storage is not None and storage.nbytes():
                     self._bytes_view(storage_id, 0, storage.nbytes()).zero_()
             if cls is Op:
-                self._fill_outs(event)
+                self._fill_outs(event.outs)
             return self._take_error(seq) if cls.expects_reply else None
         # commands that expect a reply
         if self.pending_error is not None:
@@ -752,7 +752,7 @@ class Session:
                 and LOW_PRECISION_REFUSED.search(str(exc))):
             return False
         self._fail(seq, name, exc)
-        self._fill_outs(Op(seq=seq, name=name, outs=outs))
+        self._fill_outs(outs)
         return True
 
     def _restore_out_layouts(self, before: list) -> None:
@@ -844,10 +844,10 @@ class Session:
                 keys.append(data)
         views[data] = entry
 
-    def _fill_outs(self, event: Op) -> None:
+    def _fill_outs(self, outs: list) -> None:
         """A failed op's outputs still exist (zeroed), so later ops fail for their own reasons
         rather than with 'unknown storage' noise."""
-        for out in event.outs or ():
+        for out in outs or ():
             try:
                 if out[0] not in self.storages:
                     self.allocate(out[0], out[1])
