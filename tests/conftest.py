@@ -62,16 +62,17 @@ def _readline_with_timeout(stream, timeout: float) -> str:
 
 @pytest.fixture(scope="session", autouse=True)
 def native_helpers_built():
-    """Build the C++ helpers (client, node, node op loop; ~30 s on a clean machine, then cached)
+    """Build the C++ helpers (client, client autocast, node, node op loop; ~45 s on a clean machine, then cached)
     once, before any test starts a node or a client: built by the first node process instead,
     the wait landed in whichever test came first, against that test's own start-up timeout."""
     from gpuwire import _native
+    from gpuwire.client import autocast as client_autocast
     from gpuwire.client import native as client_native
     from gpuwire.node import loop as node_loop
     from gpuwire.node import native as node_native
     if not _native.enabled():
         return
-    for helper in (client_native, node_native, node_loop):  # (built only: loading stays each user's)
+    for helper in (client_native, client_autocast, node_native, node_loop):  # (built only: loading stays each user's)
         target = _native.library_path(helper.SOURCE, helper.MODULE)
         if not target.exists():
             try:

@@ -75,4 +75,6 @@ def install() -> bool:
         return False
     module = loaded
     _installed = True
+    from . import autocast
+    autocast.use_native()  # (its own helper: where it cannot be built, autocast's Python kernels stay)
     return True
