@@ -22,6 +22,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -76,15 +77,44 @@ def load(source: Path, module: str):
     """The extension module built from ``source`` (built first if this machine has none yet)."""
     path = library_path(source, module)
     if not path.exists():
-        if sys.stderr.isatty():  # (a pause of seconds at a first attach looks like a hang; logs stay clean)
-            sys.stderr.write(f"gpuwire: building its C++ helper {module} for this machine and torch (once, ~15 s; "
-                             f"GPUWIRE_NATIVE=0 skips it) ...\n")
+        _say_building(module)
         build(source, path)
     loader = importlib.machinery.ExtensionFileLoader(module, str(path))
     spec = importlib.util.spec_from_file_location(module, str(path), loader=loader)
     loaded = importlib.util.module_from_spec(spec)
     loader.exec_module(loaded)
     return loaded
+
+
+def _say_building(module: str) -> None:
+    if sys.stderr.isatty():  # (a pause of seconds at a first attach looks like a hang; logs stay clean)
+        sys.stderr.write(f"gpuwire: building its C++ helper {module} for this machine and torch (once, ~15 s; "
+                         f"GPUWIRE_NATIVE=0 skips it) ...\n")
+
+
+def build_in_background(source: Path, module: str):
+    """Start building ``source`` as ``module`` in a thread if this machine has no build yet (the
+    compiler is a subprocess, so two builds use two cores: a first attach builds the client's
+    two helpers side by side, a first node start the node's two). Returns the thread (join it
+    before loading; ``load`` would build again, harmlessly, if it had failed) or None."""
+    if not enabled():
+        return None
+    try:
+        target = library_path(source, module)
+    except FAILURES:
+        return None
+    if target.exists():
+        return None
+
+    def build_quietly() -> None:
+        _say_building(module)
+        try:
+            build(source, target)
+        except FAILURES:
+            pass  # (``load`` builds again and reports why)
+    thread = threading.Thread(target=build_quietly, name=f"gpuwire-build-{module}", daemon=True)
+    thread.start()
+    return thread
 
 
 def install(source: Path, module: str, setup) -> tuple[object | None, str | None]:

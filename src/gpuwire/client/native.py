@@ -70,11 +70,14 @@ def install() -> bool:
         wire.use_native(loaded)
         device.use_native_kernels(loaded)  # (if the device is registered yet; else register() does)
 
+    from . import autocast
+    autocast_build = _native.build_in_background(autocast.SOURCE, autocast.MODULE)  # (side by side)
     loaded, _failure = _native.install(SOURCE, MODULE, setup)
+    if autocast_build is not None:
+        autocast_build.join()
     if loaded is None:
         return False
     module = loaded
     _installed = True
-    from . import autocast
     autocast.use_native()  # (its own helper: where it cannot be built, autocast's Python kernels stay)
     return True

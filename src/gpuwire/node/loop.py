@@ -45,13 +45,22 @@ def status() -> str:
     return f"python ({_failure})" if _failure else "python (not installed)"
 
 
+def wanted() -> bool:
+    return os.environ.get("GPUWIRE_NODE_LOOP", "1") not in ("0", "")
+
+
+def build_in_background():
+    """Start this helper's build while the node's other helper builds (``node/native.py``)."""
+    return _native.build_in_background(SOURCE, MODULE) if wanted() else None
+
+
 def install() -> bool:
     """Build (if needed), load and configure the loop; False, with the reason kept for
     ``status()``, where the Python path stays. Idempotent."""
     global module, _failure
     if module is not None:
         return True
-    if os.environ.get("GPUWIRE_NODE_LOOP", "1") in ("0", ""):
+    if not wanted():
         _failure = "GPUWIRE_NODE_LOOP=0"
         return False
     from ..protocol import codec

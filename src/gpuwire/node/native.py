@@ -71,8 +71,11 @@ def install() -> bool:
         loaded.configure(torch.Tensor, codec.EXT_TENSOR, dtype_table(loaded.scalar_type), session._LIST,
                          session._KWARGS, session.NODE_ID_BASE, session.VIEW_CACHE_MAX)
 
+    from . import loop
+    loop_build = loop.build_in_background()  # (side by side with this one: a first start waits once)
     module, _failure = _native.install(SOURCE, MODULE, setup)
+    if loop_build is not None:
+        loop_build.join()
     if module is not None:
-        from . import loop
         loop.install()  # (built on these helpers: node/loop.py)
     return module is not None
