@@ -71,6 +71,26 @@ def test_without_a_compiler_or_when_turned_off_python_trains_the_same(node, devi
     assert not list((tmp_path / "cache").glob("*.partial"))  # nothing half-written left behind
 
 
+@needs_a_compiler
+def test_a_first_attach_builds_both_client_helpers_side_by_side(node, tmp_path):
+    """On a machine with no build yet, the first attach builds the op kernels' helper and the
+    autocast helper at the same time (two compilers), and both then serve."""
+    cache = tmp_path / "cache"
+    program = textwrap.dedent("""
+        import torch, gpuwire
+        from gpuwire.client import autocast, native
+        x = torch.randn(4, 8).to("gpuwire")
+        with torch.autocast("gpuwire", dtype=torch.bfloat16):
+            y = x @ x.t()
+        print(native.status(), autocast.status(), y.dtype)
+    """)
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "GPUWIRE_NODE": node.address, "GPUWIRE_CACHE_DIR": str(cache)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["native", "native", "torch.bfloat16"]
+    assert sorted(path.name.split("-")[0] for path in cache.iterdir()) == ["gpuwire_autocast", "gpuwire_native"]
+
+
 def test_a_python_error_in_a_backward_on_the_device_thread_reaches_the_caller(device):
     class Fails(torch.autograd.Function):
         @staticmethod
