@@ -9,6 +9,7 @@ does (equal to CPU up to float rounding, padded positions exactly as CPU's)."""
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 
 def _padding(batch: int, length: int, dtype=torch.bool):
@@ -67,3 +68,45 @@ def test_multihead_attention_fast_path_in_eval_matches_cpu(device):
         local, _ = mha(x, x, x, key_padding_mask=pad, need_weights=False)
         remote, _ = mha.to(device)(*(x.to(device),) * 3, key_padding_mask=pad.to(device), need_weights=False)
     assert torch.equal(remote.cpu(), local)
+
+
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode", "no input needs grad"])
+def test_attention_without_a_graph_equals_a_local_run(device, context):
+    """SDPA where autograd records nothing (``generate``, evaluation) goes as one message with
+    no autograd Function around it: values and layout as a local run's, no graph."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 5, 8, generator=g) for _ in range(3))
+    mask = torch.randn(5, 5, generator=g) > 0
+    weights = context != "no input needs grad"
+    remote = [t.to(device).requires_grad_(weights) for t in (q, k, v)]
+    scope = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(context, torch.enable_grad)
+    for kwargs in ({}, {"attn_mask": mask}, {"is_causal": True}, {"scale": 0.3}):
+        with scope():
+            got = F.scaled_dot_product_attention(*remote, **{k_: (v_.to(device) if k_ == "attn_mask" else v_)
+                                                            for k_, v_ in kwargs.items()})
+        want = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        assert got.grad_fn is None and not got.requires_grad, kwargs
+        assert got.stride() == want.stride() and torch.equal(got.cpu(), want), kwargs
+
+
+@pytest.mark.parametrize("layer", ["lstm", "gru", "dropout"])
+def test_ops_sent_whole_stay_whole_under_inference_mode(device, layer):
+    """``torch.inference_mode()`` skips the autograd key, where the ops sent whole (RNNs,
+    attention, dropout) are registered; they are registered at the device's key too, so a model
+    evaluated under it runs the node's kernel as a local run would: bit for bit with CPU."""
+    torch.manual_seed(0)
+    module = {"lstm": lambda: nn.LSTM(6, 5, num_layers=2, batch_first=True),
+              "gru": lambda: nn.GRU(6, 5, bidirectional=True),
+              "dropout": lambda: nn.Dropout(0.3)}[layer]()
+    remote = {"lstm": lambda: nn.LSTM(6, 5, num_layers=2, batch_first=True),
+              "gru": lambda: nn.GRU(6, 5, bidirectional=True),
+              "dropout": lambda: nn.Dropout(0.3)}[layer]().to(device)
+    remote.load_state_dict(module.state_dict())
+    x = torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        torch.manual_seed(2)
+        want = module(x)
+        torch.manual_seed(2)
+        got = remote(x.to(device))
+    want, got = (want[0], got[0]) if isinstance(want, tuple) else (want, got)
+    assert torch.equal(got.cpu(), want)

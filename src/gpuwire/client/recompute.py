@@ -48,15 +48,9 @@ class _Recomputed(torch.autograd.Function):
     def forward(ctx, plan, args, *flat):
         ctx.plan = plan
         ctx.args = args
-        entry = plan.outputs(plan.meta_op, args, {})
-        if entry is None or entry is _device.SYNC:
-            raise RuntimeError(f"gpuwire cannot compute the output shapes of {plan.name}")
-        outs = _device.submit_with_outputs("gpuwire::forward_with_rng", (plan.name, *args), {},
-                                           list(entry.specs) + [_rng_spec()])
-        ctx.save_for_backward(*flat, outs[-1])
-        ctx.n_outputs = len(outs) - 1
-        result = outs[:-1]
-        return tuple(result) if len(result) > 1 else result[0]
+        result, rng_state = _forward(plan, args, {})
+        ctx.save_for_backward(*flat, rng_state)
+        return result
 
     @staticmethod
     def backward(ctx, *grads):
@@ -68,10 +62,25 @@ class _Recomputed(torch.autograd.Function):
         return (None, None, *[g if need else None for g, need in zip(input_grads, ctx.needs_input_grad[2:])])
 
 
+def _forward(plan, args, options: dict):
+    """(the op's result, the node's generator state from before it) of a whole op."""
+    entry = plan.outputs(plan.meta_op, args, {})
+    if entry is None or entry is _device.SYNC:
+        raise RuntimeError(f"gpuwire cannot compute the output shapes of {plan.name}")
+    outs = _device.submit_with_outputs("gpuwire::forward_with_rng", (plan.name, *args), options,
+                                       list(entry.specs) + [_rng_spec()])
+    result = outs[:-1]
+    return (tuple(result) if len(result) > 1 else result[0]), outs[-1]
+
+
 def _kernel(op):
     plan = _device.FunctionalPlan(op)
 
     def kernel(*args):
+        if not torch.is_grad_enabled():
+            # (no_grad, inference_mode: no graph, and the node runs the op with grad off as a
+            # local run does: CPU's oneDNN RNNs take their inference path then, other rounding)
+            return _forward(plan, args, {"grad": False})[0]
         flat = _flatten(args, [])
         return _Recomputed.apply(plan, args, *flat)
     return kernel
@@ -81,4 +90,5 @@ def register(aten_library: torch.library.Library) -> None:
     for name in RECOMPUTED:
         packet, _, overload = name.partition(".")
         op = getattr(getattr(torch.ops.aten, packet), overload or "default")
-        aten_library.impl(name, _kernel(op), "AutogradPrivateUse1")
+        for key in ("AutogradPrivateUse1", "PrivateUse1"):  # (see fused.WHOLE_KEYS)
+            aten_library.impl(name, _kernel(op), key)

@@ -49,13 +49,15 @@ def _rebuild(value, replacements: iter):
     return value
 
 
-def forward_with_rng(name: str, *args):
-    """Run op ``name``; also return the generator state from before it ran (for backward)."""
+def forward_with_rng(name: str, *args, grad: bool = True):
+    """Run op ``name``; also return the generator state from before it ran (for backward).
+    ``grad``: the client's grad mode (some kernels choose their path by it: oneDNN's RNNs)."""
     device = next((t.device for t in tensor_leaves(args)), torch.device("cpu"))
     op = resolve_aten(name, device.type)
     generator = _generator_for(device)
     state = generator.get_state()
-    result = op(*args)
+    with torch.set_grad_enabled(bool(grad)):
+        result = op(*args)
     outs = list(result) if isinstance(result, (tuple, list)) else [result]
     return (*outs, state.to(device))
 
