@@ -1762,7 +1762,8 @@ def _host_bytes(src: torch.Tensor):
     tensor is unchanged while its version counter is (every in-place op on it or on a view of it
     bumps that), or once nothing but the log refers to the old bytes: ``module.to(device)``
     re-points each parameter at its device copy (``param.data = ...``), after which the
-    optimizer's in-place updates bump the counter without touching the host bytes."""
+    optimizer's in-place updates bump the counter without touching the host bytes. An inference
+    tensor has no counter: None, and the log copies its bytes."""
     c = src.detach().resolve_conj().resolve_neg().contiguous()
     if c.numel() == 0:
         return memoryview(b""), _always
@@ -1771,6 +1772,8 @@ def _host_bytes(src: torch.Tensor):
     if c.data_ptr() != src.data_ptr():
         return data, _always
     del c, flat
+    if src.is_inference():
+        return data, None  # (no version counter: the recovery log keeps a copy)
     storage = src.untyped_storage()  # ours: this and the byte view the memoryview keeps alive
     ptr, version = storage.data_ptr(), src._version
 
