@@ -64,3 +64,33 @@ def test_compiling_for_the_cpu_never_starts_a_node(tmp_path):
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "connected False" in done.stdout and "embedded node" not in done.stderr
+
+
+def test_compiled_model_with_ops_sent_whole_equals_eager_cpu(device):
+    """An LSTM and attention (ops the client sends whole, through Python kernels) in a compiled
+    model, with gradients and without: dynamo's frame hook once compiled gpuwire's own frames
+    as they ran and broke the message stream, which ended the session."""
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = torch.nn.LSTM(6, 5, batch_first=True)
+            self.head = torch.nn.Linear(5, 2)
+
+        def forward(self, x):
+            q = self.rnn(x)[0]
+            return self.head(torch.nn.functional.scaled_dot_product_attention(q, q, q))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    local = Model()
+    remote = Model()
+    remote.load_state_dict(local.state_dict())
+    compiled = torch.compile(remote.to(device))
+    x = torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(1))
+    for scope in (torch.enable_grad, torch.no_grad, torch.inference_mode):
+        with scope():
+            assert torch.equal(compiled(x.to(device)).cpu(), local(x)), scope.__name__
+    compiled(x.to(device)).square().mean().backward()
+    local(x).square().mean().backward()
+    for (name, got), want in zip(remote.named_parameters(), local.parameters()):
+        # (AOT autograd's backward graph may sum a gradient's parts in another order than eager)
+        torch.testing.assert_close(got.grad.cpu(), want.grad, rtol=1e-5, atol=1e-7, msg=name)

@@ -527,6 +527,33 @@ class TestInterning:
         server.receive_data(client.encode_op(2, "aten::mul", [1], {}, []))
         assert drain(server) == [Op(seq=2, name="aten::mul", args=[1])]
 
+    def test_a_frame_encoded_inside_another_frames_default_hook_leaves_both_intact(self):
+        """The ``default`` hook runs Python, which may encode another frame on the same
+        connection meanwhile (torch.compile's frame hook resetting flags the client records as
+        an op): each frame must come out whole, not the two interleaved."""
+        nested = []
+
+        class Late:  # an argument whose encoding sends something first
+            pass
+
+        def default(obj):
+            if isinstance(obj, Late):
+                if not nested:  # (the outer op is packed again once a nested one interned a name)
+                    nested.append(client.encode_op(2, "aten::nested", [7], {}, []))
+                    nested.append(client.encode_prepared_op(3, "aten::nested", b"\x91\x08\x80", b"\x90"))
+                return 5
+            raise TypeError(obj)
+        client = Connection(Role.CLIENT, default=default)
+        server = Connection(Role.SERVER)
+        server.receive_data(client.send(Hello(client_version="test")))
+        server.next_event()
+        client.receive_data(server.send(Welcome(server_version="test", session_id="s1")))
+        client.next_event()
+        outer = client.encode_op(1, "aten::outer", [Late(), [1, 2]], {"k": 3}, [])
+        server.receive_data(b"".join(nested) + outer)
+        assert drain(server) == [Op(seq=2, name="aten::nested", args=[7]), Op(seq=3, name="aten::nested", args=[8]),
+                                 Op(seq=1, name="aten::outer", args=[5, [1, 2]], kwargs={"k": 3})]
+
 
 # ---------------------------------------------------------------- encode_op
 

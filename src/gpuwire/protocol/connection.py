@@ -122,6 +122,8 @@ class Connection:
         self._max_header = self.limits.max_header_bytes
         self.state = State.HANDSHAKE
         self._packer = msgpack.Packer(default=default or codec.default, use_bin_type=True, autoreset=True)
+        self._default = default or codec.default
+        self._packing = False  # see ``_pack``
         self._ext_hook = ext_hook or codec.ext_hook
         self._op_runner = None  # see ``bind``
         self._buffer = bytearray()
@@ -161,18 +163,14 @@ class Connection:
                 raise ProtocolError(f"{cls.__name__} sent before the handshake completed")
         parts = []
         if cls is Op or cls is CallSync:
-            index = self._op_index.get(event.name)
-            new_name = index is None
-            if new_name:
-                index = len(self._op_index)
             fields = list(event.fields())
-            fields[1] = index
-            header = self._packer.pack((cls.code, *fields))
-            if new_name:  # only once the op encoded: a failed send must not leave a half-defined name
+            index, header = self._pack_named(event.name, lambda index: (cls.code, fields[0], index, *fields[2:]))
+            if index is None:
+                index = len(self._op_index)
                 self._op_index[event.name] = index
-                parts.append(self._frame(self._packer.pack((_DEFINE_OP, index, event.name)), 0))
+                parts.append(self._frame(self._pack((_DEFINE_OP, index, event.name)), 0))
         else:
-            header = self._packer.pack((cls.code, *event.fields()))
+            header = self._pack((cls.code, *event.fields()))
         payload = event.payload if cls.has_payload else b""
         payload_len = memoryview(payload).nbytes if payload else 0
         parts.append(self._frame(header, payload_len))
@@ -185,14 +183,24 @@ class Connection:
         """Hot path for the client: the frame(s) of an ``Op`` without building the event."""
         if self.state is not State.OPEN:
             raise ProtocolError("Op sent before the handshake completed")
-        index = self._op_index.get(name)
-        if index is None:
+        known, header = self._pack_named(name, lambda index: (_OP, seq, index, args, kwargs, outs))
+        if known is None:
             index = len(self._op_index)
-            frame = self._frame(self._packer.pack((Op.code, seq, index, args, kwargs, outs)), 0)
             self._op_index[name] = index
-            return self._frame(self._packer.pack((_DEFINE_OP, index, name)), 0) + frame
-        header = self._packer.pack((_OP, seq, index, args, kwargs, outs))
+            return self._frame(self._pack((_DEFINE_OP, index, name)), 0) + _PREFIX_PACK(len(header), 0) + header
         return _PREFIX_PACK(len(header), 0) + header
+
+    def _pack_named(self, name: str, fields):
+        """(the index ``name`` already had or None, the msgpack of ``fields(index)``) where a
+        new name takes the next index, interned by the caller only once this succeeded (a
+        failed encoding must not leave a half-defined name). Packed again should a nested
+        encoding (``_pack``) have interned names meanwhile, so indices stay in definition order."""
+        while True:
+            known = self._op_index.get(name)
+            index = known if known is not None else len(self._op_index)
+            header = self._pack(fields(index))
+            if self._op_index.get(name) == known and (known is not None or len(self._op_index) == index):
+                return known, header
 
     def encode_prepared_op(self, seq: int, name: str, body: bytes, outs: bytes) -> bytes | None:
         """Hot path for the client's native kernels: the frame of an ``Op`` whose arguments
@@ -203,13 +211,13 @@ class Connection:
         index = self._op_index.get(name)
         if index is None or self.state is not State.OPEN:
             return None
-        pack = self._packer.pack
+        pack = self._packer.pack if not self._packing else self._pack  # (ints: no hook runs here)
         header = b"".join((_OP_HEAD, pack(seq), pack(index), body, outs))
         return _PREFIX_PACK(len(header), 0) + header
 
     def encode_alloc(self, seq: int, storage_id: int, nbytes: int, overwrite: bool = False) -> bytes:
         """Hot path for the client: the frame of an ``Alloc`` without building the event."""
-        return self._frame(self._packer.pack((Alloc.code, seq, storage_id, nbytes, overwrite)), 0)
+        return self._frame(self._pack((Alloc.code, seq, storage_id, nbytes, overwrite)), 0)
 
     # ------------------------------------------------------------ moving a session between connections
 
@@ -255,8 +263,22 @@ class Connection:
     def op_definitions(self, count: int) -> bytes:
         """Definition frames for the first ``count`` outgoing names (a rebuilt session's node
         must know the names the replayed frames use before it sees them)."""
-        return b"".join(self._frame(self._packer.pack((_DEFINE_OP, index, name)), 0)
+        return b"".join(self._frame(self._pack((_DEFINE_OP, index, name)), 0)
                         for index, name in enumerate(self.defined_op_names[:count]))
+
+    def _pack(self, obj) -> bytes:
+        """The msgpack of ``obj``, safe to re-enter. The ``default`` hook runs Python (a tensor's
+        descriptor), and what runs inside it may encode another frame on this connection
+        meanwhile: torch.compile's frame hook did (it resets global flags, which the client
+        records as an op). Sharing the packer then interleaved the two frames' bytes and the
+        node dropped the session; a nested call gets a packer of its own."""
+        if self._packing:
+            return msgpack.Packer(default=self._default, use_bin_type=True).pack(obj)
+        self._packing = True
+        try:
+            return self._packer.pack(obj)
+        finally:
+            self._packing = False
 
     @staticmethod
     def _frame(header: bytes, payload_len: int) -> bytes:
