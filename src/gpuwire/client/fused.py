@@ -167,6 +167,11 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
         # Function around it (~10 us a call: 20.1 -> 10.5 us in a loop)
         (out,) = _device.submit_with_outputs("gpuwire::sdpa", args, {}, [_sdpa_out_shape(*args)])
         return out
+    if torch._C._are_functorch_transforms_active():
+        # (``torch.func.grad`` and kin refuse an autograd.Function without functorch rules: the
+        # composite's own ops carry the gradient, at the math path's rounding)
+        return torch.ops.aten.scaled_dot_product_attention.default.decompose(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     return _RemoteSDPA.apply(*args)
 
 
@@ -209,8 +214,8 @@ def _dropout(input, p: float, train: bool):
     if p == 1.0:
         return input * torch.zeros_like(input)
     if _device.runtime().device_info.get("backend") == "cpu":
-        if input.is_floating_point() and not input.is_complex():
-            return _RemoteDropout.apply(input, p)
+        if input.is_floating_point() and not input.is_complex() and not torch._C._are_functorch_transforms_active():
+            return _RemoteDropout.apply(input, p)  # (under torch.func transforms: the plain ops below)
         noise = torch.empty_like(input).bernoulli_(1 - p)
         noise.div_(1 - p)
         return input * noise
