@@ -183,6 +183,14 @@ class Connection:
         """Hot path for the client: the frame(s) of an ``Op`` without building the event."""
         if self.state is not State.OPEN:
             raise ProtocolError("Op sent before the handshake completed")
+        index = self._op_index.get(name)
+        if index is not None and not self._packing:  # (the usual case, written out: see ``_pack``)
+            self._packing = True
+            try:
+                header = self._packer.pack((_OP, seq, index, args, kwargs, outs))
+            finally:
+                self._packing = False
+            return _PREFIX_PACK(len(header), 0) + header
         known, header = self._pack_named(name, lambda index: (_OP, seq, index, args, kwargs, outs))
         if known is None:
             index = len(self._op_index)
