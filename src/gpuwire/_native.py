@@ -86,6 +86,13 @@ def load(source: Path, module: str):
     return loaded
 
 
+def status(loaded, failure: str | None, not_yet: str = "not installed") -> str:
+    """'native' once a helper serves, else 'python (why)': what each helper's ``status()`` says."""
+    if loaded is not None:
+        return "native"
+    return f"python ({failure or not_yet})"
+
+
 def _say_building(module: str) -> None:
     if sys.stderr.isatty():  # (a pause of seconds at a first attach looks like a hang; logs stay clean)
         sys.stderr.write(f"gpuwire: building its C++ helper {module} for this machine and torch (once, ~15 s; "

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import gpuwire
-from gpuwire import _native
+
+from ..node.test_native import BUILDS
 from gpuwire.client import autocast
 from gpuwire.client import device as dev
 
@@ -18,14 +19,14 @@ BF16 = torch.bfloat16
 def kernels(request, device):
     """The device with autocast served by one implementation; the C++ one again afterwards."""
     if request.param == "native":
-        if not _native.enabled():
-            pytest.skip("GPUWIRE_NATIVE=0: only the Python kernels exist")
+        if not BUILDS:
+            pytest.skip("no C++ compiler or GPUWIRE_NATIVE=0: only the Python kernels exist")
         assert autocast.use_native() is None
     else:
         autocast.use_python()
     assert autocast.status() == request.param
     yield device
-    if _native.enabled():
+    if BUILDS:
         assert autocast.use_native() is None
 
 
@@ -121,7 +122,7 @@ def test_a_training_step_under_autocast_equals_the_same_casts_on_cpu(kernels):
         assert torch.equal(got.grad.cpu(), want.grad), name
 
 
-@pytest.mark.skipif(not _native.enabled(), reason="GPUWIRE_NATIVE=0: the Python kernels keep no cast cache")
+@pytest.mark.skipif(not BUILDS, reason="no C++ compiler or GPUWIRE_NATIVE=0: the Python kernels keep no cast cache")
 def test_a_weight_used_twice_in_one_region_is_cast_once(device):
     """ATen's autocast cache (the C++ kernels a program attaches with): a float32 leaf weight
     is cast once per region, as on CUDA."""

@@ -185,22 +185,11 @@ def register() -> None:
     _library = library
 
 
-def _reregister(loaded) -> None:
-    global _library, _native_module
-    if _library is not None:
-        _library._destroy()
-        _library = None
-    if _native_module is not None and loaded is None:
-        _native_module.unregister_kernels()
-    _native_module = loaded
-    register()
-
-
 def use_native() -> str | None:
     """Serve CUDA's lists with the C++ kernels (``autocast.cpp``), building them first if this
     machine has none; None once they serve, else why not (the Python kernels stay). Called
     at a program's first attach (``client/native.py``), before any device tensor exists."""
-    global _library
+    global _library, _native_module
     if _native_module is not None:
         return None
     loaded, failure = _native.install(SOURCE, MODULE, lambda module: None)
@@ -212,15 +201,23 @@ def use_native() -> str | None:
     try:
         loaded.register_kernels()
     except RuntimeError as exc:
-        register()
+        register()  # (all lists in Python again)
         return f"RuntimeError: {exc}"
-    _reregister(loaded)
+    _native_module = loaded
+    register()  # (the RNNs' kernels and the ban)
     return None
 
 
 def use_python() -> None:
     """Serve every list with the Python kernels again (tests compare the two)."""
-    _reregister(None)
+    global _library, _native_module
+    if _native_module is None:
+        return
+    _library._destroy()
+    _library = None
+    _native_module.unregister_kernels()
+    _native_module = None
+    register()
 
 
 def status() -> str:

@@ -295,7 +295,7 @@ def register(aten_library: torch.library.Library) -> None:
     for name in ("max", "min", "median", "nanmedian"):
         aten_library.impl(name, _evenly_distributed(getattr(torch.ops.aten, name).default), "AutogradPrivateUse1")
     _register_small_composites(aten_library)
-    recompute.register(aten_library)
+    recompute.register(aten_library, WHOLE_KEYS)
     for qualified in _kernels_that_decompose_only_here():
         name = qualified[len("aten::"):]
         packet, _, overload = name.partition(".")

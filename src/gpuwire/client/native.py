@@ -50,9 +50,7 @@ module = None  # the loaded extension, once installed
 
 def status() -> str:
     """'native', or why the Python guard is in use."""
-    if _installed:
-        return "native"
-    return f"python ({_failure})" if _failure else "python (not attached yet)"
+    return _native.status(module if _installed else None, _failure, "not attached yet")
 
 
 def install() -> bool:

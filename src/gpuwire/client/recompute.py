@@ -86,9 +86,9 @@ def _kernel(op):
     return kernel
 
 
-def register(aten_library: torch.library.Library) -> None:
+def register(aten_library: torch.library.Library, keys: tuple) -> None:
     for name in RECOMPUTED:
         packet, _, overload = name.partition(".")
         op = getattr(getattr(torch.ops.aten, packet), overload or "default")
-        for key in ("AutogradPrivateUse1", "PrivateUse1"):  # (see fused.WHOLE_KEYS)
+        for key in keys:
             aten_library.impl(name, _kernel(op), key)

@@ -40,9 +40,7 @@ _failure: str | None = None
 
 def status() -> str:
     """'native', or why the Python path runs every op."""
-    if module is not None:
-        return "native"
-    return f"python ({_failure})" if _failure else "python (not installed)"
+    return _native.status(module, _failure)
 
 
 def wanted() -> bool:
