@@ -56,6 +56,24 @@ def _profiled(serve, directory: str, sock, addr) -> None:
         os.replace(path + ".partial", path)  # whole, or not there: a reader polls for it
 
 
+def _kernels_traced(serve, directory: str, sock, addr) -> None:
+    """A session under torch.profiler's CUDA activity (GPUWIRE_PROFILE_KERNELS=DIR, a developer's
+    tool: ``bench.gpu_timeline``): the device's kernels, copies and the launches behind them go
+    to DIR/session-<client port>.trace.json, a Chrome trace, when the session ends. The host's
+    own ops are not recorded on a GPU: that would slow every launch the trace is meant to time (a
+    node with no GPU records them instead, which exercises the tool)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
+    if os.environ.get("GPUWIRE_PROFILE_KERNELS_CPU") and ProfilerActivity.CPU not in activities:
+        activities.append(ProfilerActivity.CPU)  # which host op launched each kernel (timings skewed)
+    with profile(activities=activities) as recording:
+        serve(sock, addr)
+    path = os.path.join(directory, f"session-{addr[1]}.trace.json")
+    recording.export_chrome_trace(path + ".partial")
+    os.replace(path + ".partial", path)
+
+
 class NodeServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 7070, *, backend: Backend | None = None,
                  token: str | None = None, limits: Limits | None = None, max_sessions: int = 64,
@@ -127,9 +145,11 @@ class NodeServer:
                 if self._closing.is_set():
                     break
                 raise
-            profile_dir = os.environ.get("GPUWIRE_PROFILE_SESSIONS")
-            serve = functools.partial(_profiled, self._serve_connection, profile_dir) if profile_dir else \
-                self._serve_connection
+            serve = self._serve_connection
+            for variable, wrapper in (("GPUWIRE_PROFILE_SESSIONS", _profiled),
+                                      ("GPUWIRE_PROFILE_KERNELS", _kernels_traced)):
+                if os.environ.get(variable):
+                    serve = functools.partial(wrapper, serve, os.environ[variable])
             thread = threading.Thread(target=serve, args=(sock, addr), daemon=True,
                                       name=f"gpuwire-session-{addr[0]}:{addr[1]}")
             self._threads.add(thread)
