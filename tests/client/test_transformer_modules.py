@@ -110,3 +110,62 @@ def test_ops_sent_whole_stay_whole_under_inference_mode(device, layer):
         got = remote(x.to(device))
     want, got = (want[0], got[0]) if isinstance(want, tuple) else (want, got)
     assert torch.equal(got.cpu(), want)
+
+
+@pytest.fixture
+def gpu_declarations(device, monkeypatch):
+    """The client declaring results as it does for a CUDA node (the meta device's layouts and
+    CUDA's attention layouts) while a CPU node runs them: the node copies any result whose kernel
+    chose another layout into the declared one, so values stay CPU's."""
+    from gpuwire.client import device as client_device
+    from gpuwire.client import fused
+    for cache in client_device.INFERENCE_CACHES:
+        cache.clear()
+    client_device._PLANS.clear()
+    monkeypatch.setattr(client_device, "_infer_as_cpu", False)
+    yield fused
+    for cache in client_device.INFERENCE_CACHES:
+        cache.clear()
+    client_device._PLANS.clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_heads_split_from_one_projection_keep_cudas_attention_layouts(device, gpu_declarations, dtype):
+    # GPT-2's attention: q, k, v split from one projection, seen as (B, H, L, E) by a transpose.
+    # CUDA's efficient (float32) and cuDNN (bfloat16) attention return the output and the three
+    # gradients in that (B, L, H, E) memory (an H100, torch 2.11); declared contiguous, each cost
+    # the node a copy and the heads' reshape another, in the forward and in the backward
+    batch, length, heads, size = 2, 16, 4, 8
+    torch.manual_seed(0)
+    x = torch.randn(batch, length, 3 * heads * size, dtype=dtype)
+    sequence_major = (length * heads * size, size, heads * size, 1)
+
+    def attention(inputs, seen):
+        q, k, v = (t.view(batch, length, heads, size).transpose(1, 2) for t in inputs.split(heads * size, dim=2))
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            t.register_hook(lambda grad, name=name: seen.__setitem__(name, grad.stride()))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        seen["out"] = out.stride()
+        return out.transpose(1, 2).reshape(batch, length, heads * size)
+
+    local_x = x.clone().requires_grad_()
+    local_out = attention(local_x, {})
+    local_out.sum().backward()
+    seen: dict = {}
+    remote_x = x.to(device).requires_grad_()
+    remote_out = attention(remote_x, seen)
+    remote_out.sum().backward()
+    assert seen == {"out": sequence_major, "q": sequence_major, "k": sequence_major, "v": sequence_major}
+    assert torch.equal(remote_out.detach().cpu(), local_out.detach())
+    assert torch.equal(remote_x.grad.cpu(), local_x.grad)
+
+
+def test_a_contiguous_half_precision_query_keeps_the_contiguous_layout(device, gpu_declarations):
+    q, k, v = (torch.randn(2, 4, 16, 8, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    rq, rk, rv = (t.detach().to(device).requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(rq, rk, rv)
+    assert out.stride() == (512, 128, 8, 1)
+    out.sum().backward()
+    assert rq.grad.stride() == (512, 128, 8, 1)
+    F.scaled_dot_product_attention(q, k, v).sum().backward()
+    assert torch.equal(rq.grad.cpu(), q.grad)

@@ -73,7 +73,7 @@ def _sdpa_out_shape(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
                 enable_gqa=enable_gqa)
         strides = tuple(out.stride())
         if (not _device._infer_as_cpu and tuple(out.shape) == shape and strides == _sdpa_layout("contiguous", shape)
-                and _cuda_takes_efficient_attention(q, k, v)):
+                and (_cuda_takes_efficient_attention(q, k, v) or _cuda_keeps_sequence_major(q, k, v))):
             strides = _sdpa_layout("flash", shape)
         spec = _device.output_spec(out.shape, strides, out.dtype)
         if out.dtype == q.dtype and tuple(out.shape) == shape and len(_SDPA_FAMILIES) < 4096:
@@ -98,6 +98,20 @@ def _cuda_takes_efficient_attention(q, k, v) -> bool:
             and q.shape[-1] == k.shape[-1] and q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0
             and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and q.shape[-2] > 0 and k.shape[-2] > 0
             and torch.backends.cuda.mem_efficient_sdp_enabled())
+
+
+def _cuda_keeps_sequence_major(q, k, v) -> bool:
+    """Whether a CUDA node's half or bfloat16 SDPA returns (B, L, H, E) memory for this query:
+    cuDNN attention matches the query's memory order, and flash and memory-efficient attention
+    always return that layout, so a query that is itself a (B, L, H, E) tensor seen as
+    (B, H, L, E) — a Hugging Face model's heads, split from one projection and transposed —
+    gets it from all three (an H100, torch 2.11: cuDNN and efficient attention both did). Declared
+    contiguous, the node copied each output into that layout and the model's ``transpose(1, 2)
+    .reshape`` copied it back: two copies a layer that a local run does not make. A contiguous
+    query keeps the meta device's answer (cuDNN on an H200 returned contiguous memory for it)."""
+    return (q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype
+            and q.dim() == k.dim() == v.dim() == 4 and q.stride(-1) == 1 and q.stride(1) < q.stride(2)
+            and q.shape[1] > 1 and q.shape[-2] > 1)
 
 
 def _sdpa_layout(kind: str, shape: tuple) -> tuple:
@@ -130,6 +144,11 @@ class _RemoteSDPA(torch.autograd.Function):
             "gpuwire::sdpa_keep", (*args, ctx.mask_requires_grad), {}, [spec, state_spec, _HANDLE_SPEC])
         ctx.save_for_backward(q, k, v, attn_mask, rng_state, handle)
         ctx.options = (dropout_p, is_causal, scale, enable_gqa)
+        # a CUDA kernel that returns (B, L, H, E) memory gives its gradients that layout too
+        # (efficient and cuDNN attention on an H100): declared contiguous, the node copied the
+        # three of them and the heads' view backward copied them again, six copies a layer
+        ctx.sequence_major = not _device._infer_as_cpu and out.dim() == 4 and \
+            spec[1] == _sdpa_layout("flash", spec[0]) != _sdpa_layout("contiguous", spec[0])
         return out
 
     @staticmethod
@@ -137,11 +156,16 @@ class _RemoteSDPA(torch.autograd.Function):
         q, k, v, attn_mask, rng_state, handle = ctx.saved_tensors
         dropout_p, is_causal, scale, enable_gqa = ctx.options
         wanted = [q, k, v] + ([attn_mask] if ctx.mask_requires_grad else [])
+        specs = _specs_like(*wanted)
+        if ctx.sequence_major:
+            specs[:3] = [_device.output_spec(t.shape, _sdpa_layout("flash", tuple(t.shape)), t.dtype) for t in wanted[:3]]
+        else:
+            grad_out = grad_out.contiguous()  # (a CPU node's kernels: what its layouts were measured with)
         grads = _device.submit_with_outputs(
             "gpuwire::sdpa_backward_kept",
-            (handle, rng_state, grad_out.contiguous(), q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+            (handle, rng_state, grad_out, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
              ctx.mask_requires_grad),
-            {}, _specs_like(*wanted))
+            {}, specs)
         grads = list(grads) + [None] * (4 - len(grads))
         return grads[0], grads[1], grads[2], grads[3], None, None, None, None
 
