@@ -1,9 +1,10 @@
 #!/bin/bash
+nvidia-smi -L; python3 -c "import torch; print(torch.__version__)"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore::RuntimeWarning
 # the C++ helpers build here only with a compiler: say which paths the figures below used
-timeout 120 python3 -c "from gpuwire.client import native as c; from gpuwire.node import native as n; c.install(); n.install(); print('helpers: client', c.status(), '| node', n.status())" | tee $OUT/helpers.txt
-timeout 85 python3 -m bench.gpu_check --out $OUT 2>&1 | grep -v "^  \|^Traceback\|^    " | cut -c1-700
-timeout 110 python3 -m bench --only gpu --out $OUT 2>&1 | tail -9 | tee $OUT/bench.log
+timeout 120 python3 -c "from gpuwire.client import native as c; from gpuwire.node import native as n; from gpuwire.client import autocast as a; from gpuwire.node import loop as l; c.install(); n.install(); l.install(); print('helpers: client', c.status(), '| autocast', a.status(), '| node', n.status(), '| node loop', l.status())" | tee $OUT/helpers.txt
+timeout 120 python3 -m bench.gpu_check --out $OUT 2>&1 | grep -v "^  \|^Traceback\|^    " | cut -c1-700
+timeout 150 python3 -m bench --only gpu --out $OUT 2>&1 | tail -9 | tee $OUT/bench.log
 timeout 60 python3 -m bench.gpu_profile --out $OUT 2>&1 | tail -4
 rm -rf $OUT/node-profile
