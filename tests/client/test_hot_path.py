@@ -4,6 +4,7 @@ described on the wire, and when queued commands are written."""
 import socket
 
 import msgpack
+import pytest
 import torch
 
 import gpuwire
@@ -126,7 +127,7 @@ def test_device_guard_type():
     assert torch_module.Guard().type_() == torch._C._autograd.DeviceType.PrivateUse1
 
 
-def test_flush_age_backs_off_until_a_sync_point(device, monkeypatch):
+def test_a_queued_command_waits_its_age_for_company_then_goes_with_the_next(device, monkeypatch):
     x = torch.ones(4, device=device)
     x.add_(1)
     gpuwire.synchronize()
@@ -135,8 +136,9 @@ def test_flush_age_backs_off_until_a_sync_point(device, monkeypatch):
     flushes = []
     real = runtime_module.send_parts
     monkeypatch.setattr(runtime_module, "send_parts", lambda sock, parts: flushes.append(len(parts)) or real(sock, parts))
-    age = runtime_module.FLUSH_AGE
-    monkeypatch.setattr(runtime_module, "FLUSH_AGE_MAX", 4 * age)  # the default is a fixed age
+    rt = _rt()
+    age = rt._flush_age
+    assert age == runtime_module.FLUSH_AGE  # (unset GPUWIRE_FLUSH_AGE_US)
 
     def op_after(seconds):
         clock[0] += seconds
@@ -145,23 +147,30 @@ def test_flush_age_backs_off_until_a_sync_point(device, monkeypatch):
     op_after(0)  # opens a batch
     op_after(age * 0.9)
     assert flushes == []
-    op_after(age * 0.2)  # the batch's first command waited past FLUSH_AGE
+    op_after(age * 0.2)  # the batch's first command waited past its age
     assert flushes == [3]
     op_after(0)
-    op_after(age * 1.5)  # now twice as long to wait
-    assert flushes == [3]
-    op_after(age)
-    assert flushes == [3, 3]
-    for _ in range(8):  # never past the cap: every second command (the first opens a batch)
-        op_after(runtime_module.FLUSH_AGE_MAX * 1.01)
-    assert flushes == [3, 3, 2, 2, 2, 2]
-    gpuwire.synchronize()  # the node caught up: the next batch waits FLUSH_AGE again
-    flushes.clear()
+    op_after(age * 1.5)  # a fixed age: no back-off
+    assert flushes == [3, 2]
+    monkeypatch.setattr(rt, "_flush_age", 0.0)  # GPUWIRE_FLUSH_AGE_US=0: each command at once
     op_after(0)
-    op_after(age * 1.1)
-    assert flushes == [2]
+    op_after(0)
+    assert flushes == [3, 2, 1, 1]
     gpuwire.synchronize()
-    assert torch.equal(x.cpu(), torch.full((4,), 18.0))
+    assert torch.equal(x.cpu(), torch.full((4,), 9.0))
+
+
+def test_the_flush_age_is_set_in_microseconds_and_a_bad_value_says_what_to_give(monkeypatch):
+    monkeypatch.delenv("GPUWIRE_FLUSH_AGE_US", raising=False)
+    assert runtime_module.configured_flush_age() == runtime_module.FLUSH_AGE
+    monkeypatch.setenv("GPUWIRE_FLUSH_AGE_US", "50")
+    assert runtime_module.configured_flush_age() == pytest.approx(50e-6)
+    monkeypatch.setenv("GPUWIRE_FLUSH_AGE_US", "0")
+    assert runtime_module.configured_flush_age() == 0.0
+    for bad in ("fast", "-5", "1e9"):
+        monkeypatch.setenv("GPUWIRE_FLUSH_AGE_US", bad)
+        with pytest.raises(ValueError, match="GPUWIRE_FLUSH_AGE_US.*microseconds"):
+            runtime_module.configured_flush_age()
 
 
 def test_send_parts_joins_small_frames_and_keeps_bulk_buffers():

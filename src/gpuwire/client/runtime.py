@@ -66,13 +66,27 @@ FLUSH_OPS = 64
 FLUSH_BYTES = 1 << 20
 # a queued command waits at most this long (seconds) for company: sent with the next command
 # after it, so the node starts on a step's first (often largest) kernels while the client is
-# still dispatching the rest
+# still dispatching the rest. Fixed: backing off to 800 us after each flush made for age halved
+# the socket writes per step, but in one interleaved run GPT-2 steps went 1.52x -> 1.71x of
+# local (the node starved between batches). ``GPUWIRE_FLUSH_AGE_US`` sets it (a measurement's
+# knob: on an H100 the GPU idled ~170-200 us before each attention kernel of a GPT-2 forward)
 FLUSH_AGE = 200e-6
-# each flush made for age may double the wait of the next one, up to this (a sync point starts
-# over at FLUSH_AGE). Backing off to 800 us halved the socket writes per step, but in one
-# interleaved run GPT-2 steps went 1.52x -> 1.71x of local (the node starved between batches;
-# mlp 1.63x -> 1.58x): a fixed age until a measurement says otherwise
-FLUSH_AGE_MAX = FLUSH_AGE
+
+
+def configured_flush_age() -> float:
+    """``GPUWIRE_FLUSH_AGE_US`` in seconds (0: every command goes out at once), else FLUSH_AGE."""
+    text = os.environ.get("GPUWIRE_FLUSH_AGE_US", "").strip()
+    if not text:
+        return FLUSH_AGE
+    try:
+        micros = float(text)
+    except ValueError:
+        micros = -1.0
+    if not 0 <= micros <= 1e6:
+        raise ValueError(f"GPUWIRE_FLUSH_AGE_US={text!r}: give the microseconds a queued command may wait "
+                         f"for company before it is sent, from 0 (send each at once) to 1000000; "
+                         f"unset, it is {FLUSH_AGE * 1e6:.0f}")
+    return micros * 1e-6
 CHUNK_BYTES = 16 << 20  # bulk transfers travel in frames of at most this many bytes
 COPY_PAYLOAD_BELOW = 256 << 10  # smaller uploads are copied into the queue; larger ones sent at once
 FIRST_ADDRESS = 1 << 32
@@ -138,7 +152,7 @@ class Runtime:
         self._queue: list = []
         self._queue_bytes = 0
         self._queued_at = 0.0  # perf_counter() when the oldest queued command was queued
-        self._flush_age = FLUSH_AGE  # how long a queued command waits for company now
+        self._flush_age = configured_flush_age()  # how long a queued command waits for company
         self._next_address = FIRST_ADDRESS
         self._live: dict[int, StorageRef] = {}
         self._live_bytes: dict[int, int] = {}
@@ -300,15 +314,12 @@ class Runtime:
             recovery.log(self.seq, frame)
         if len(queue) >= FLUSH_OPS or self._queue_bytes >= FLUSH_BYTES:
             self._flush()
-        elif now - self._queued_at > self._flush_age:
-            self._flush_age = min(2 * self._flush_age, FLUSH_AGE_MAX)
-            self._flush()  # (which starts over at FLUSH_AGE if it is a sync point's)
+        elif now - self._queued_at >= self._flush_age:
+            self._flush()
 
     def _flush(self) -> None:
         if not self._queue:
             return
-        if self._awaiting is not None:  # a sync point
-            self._flush_age = FLUSH_AGE
         self._check_alive()
         parts, self._queue = self._queue, []
         self._queue_bytes = 0
@@ -489,8 +500,7 @@ class Runtime:
             self._allocs_since_scan += 1
             if len(queue) >= FLUSH_OPS or self._queue_bytes >= FLUSH_BYTES:
                 self._flush()
-            elif now - self._queued_at > self._flush_age:
-                self._flush_age = min(2 * self._flush_age, FLUSH_AGE_MAX)
+            elif now - self._queued_at >= self._flush_age:
                 self._flush()
             if self._allocs_since_scan >= SCAN_EVERY:
                 self._collect_garbage()
