@@ -207,8 +207,14 @@ def _gpt_step(result, label, local, remote, local_device, gpt, batch, seq, steps
     same = losses["local"] == losses["remote"]
     result.add(label, rm, "ms", lm, baseline_label=f"local {local_device} ms",
                target="<= 1.05x local" if judged else None, ok=(rm <= 1.05 * lm) if judged else None,
-               note="losses equal local's bit for bit" if same else
-               f"losses differ from local's: last {losses['local'][-1]!r} vs {losses['remote'][-1]!r}")
+               note="losses equal local's bit for bit" if same else _first_difference(losses))
+
+
+def _first_difference(losses: dict) -> str:
+    step = next(i for i, (a, b) in enumerate(zip(losses["local"], losses["remote"])) if a != b)
+    return (f"losses differ from local's from step {step} of {len(losses['local'])} (warm-up included): "
+            f"{losses['local'][step]!r} vs {losses['remote'][step]!r}; last {losses['local'][-1]!r} vs "
+            f"{losses['remote'][-1]!r}")
 
 
 if __name__ == "__main__":
