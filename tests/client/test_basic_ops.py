@@ -154,6 +154,24 @@ def test_sparse_tensors_fail_with_a_message_that_says_what_to_do(device):
     assert dense.weight.grad.cpu()[1:3].eq(1).all()
 
 
+@pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions.*:UserWarning")
+def test_quantized_tensors_are_refused_where_they_are_made_with_the_way_out(device):
+    quantized = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    makers = {
+        "upload": lambda: quantized.to(device),
+        "per tensor": lambda: torch.quantize_per_tensor(torch.randn(4, device=device), 0.1, 0, torch.qint8),
+        "per channel": lambda: torch.quantize_per_channel(torch.randn(2, 4, device=device), torch.tensor([0.1, 0.2]),
+                                                          torch.tensor([0, 0]), 0, torch.quint8),
+        "dynamic": lambda: torch.quantize_per_tensor_dynamic(torch.randn(4, device=device), torch.quint8, False),
+    }
+    for make in makers.values():
+        with pytest.raises(NotImplementedError, match="quantized tensors are not supported on the gpuwire device"):
+            make()
+    # the session goes on, and the way out the message gives works
+    assert torch.equal(quantized.dequantize().to(device).cpu(), quantized.dequantize())
+    assert torch.equal((torch.ones(3, device=device) * 2).cpu(), torch.full((3,), 2.0))
+
+
 @pytest.mark.parametrize("name, make", [
     ("clone", lambda t, d: t.clone()),
     ("contiguous", lambda t, d: t.contiguous()),

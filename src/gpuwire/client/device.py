@@ -2179,10 +2179,16 @@ def register() -> None:
     _library.fallback(_traced_fallback if tracing else _fallback, dispatch_key="PrivateUse1")
     _library.fallback(torch.library.fallthrough_kernel, dispatch_key="AutocastPrivateUse1")
     _library.fallback(_sparse_refused, dispatch_key="SparsePrivateUse1")
+    _library.fallback(_quantized_refused, dispatch_key="QuantizedPrivateUse1")
     _conv_plan = _RenamedPlan(None, aten.convolution.default, "aten::convolution.default")
     _conv_backward_plan = _RenamedPlan(None, aten.convolution_backward.default, "aten::convolution_backward.default",
                                        _conv_backward_args)
     _aten_library = torch.library.Library("aten", "IMPL")
+    for name in _QUANTIZING_OPS:  # (from a float gpuwire tensor: they dispatch on PrivateUse1)
+        packet = getattr(aten, name, None)
+        for overload in packet.overloads() if packet is not None else ():
+            _aten_library.impl(name if overload == "default" else f"{name}.{overload}",
+                               functools.partial(_quantized_refused, getattr(packet, overload)), "PrivateUse1")
     _aten_library.impl("convolution_overrideable", _convolution_overrideable, "PrivateUse1")
     _aten_library.impl("convolution_backward_overrideable", _convolution_backward_overrideable, "PrivateUse1")
     # The Conjugate/Negative math-bit fallbacks resolve a lazy conj/neg input of _copy_from
@@ -2348,6 +2354,23 @@ def _sparse_refused(op, *args, **kwargs):
         f"gpuwire: sparse tensors are not supported on the gpuwire device ({op}). Keep sparse work on the CPU, "
         "or use dense ones: nn.Embedding(..., sparse=False) / EmbeddingBag(sparse=False) and an optimizer other "
         "than SparseAdam")
+
+
+# the ops that make a quantized tensor from a float one (or from nothing)
+_QUANTIZING_OPS = ("quantize_per_tensor", "quantize_per_tensor_dynamic", "quantize_per_channel",
+                   "_make_per_tensor_quantized_tensor", "_make_per_channel_quantized_tensor", "empty_quantized",
+                   "_empty_affine_quantized", "_empty_per_channel_affine_quantized")
+
+
+def _quantized_refused(op, *args, **kwargs):
+    """Quantized tensors (qint8, quint8, qint32 ...: a scale and zero point beside the values)
+    have no remote form; CUDA runs few of their ops either, and PyTorch deprecates them
+    (pytorch/pytorch#184982). Refused where they would be made, not at the next sync with the
+    node's "Copying from quantized Tensor to non-quantized Tensor"."""
+    raise NotImplementedError(
+        f"gpuwire: quantized tensors are not supported on the gpuwire device ({op}). Quantize and run quantized "
+        "models on the CPU, or keep the model in floating point (bfloat16 / float16) on the device; "
+        "x.dequantize() gives a float tensor you can move to it")
 
 
 def runtime_or_none() -> Runtime | None:
