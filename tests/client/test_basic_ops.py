@@ -154,6 +154,16 @@ def test_sparse_tensors_fail_with_a_message_that_says_what_to_do(device):
     assert dense.weight.grad.cpu()[1:3].eq(1).all()
 
 
+def test_nested_tensors_run_jagged_and_the_strided_layout_says_so(device):
+    a, b = torch.randn(2, 4), torch.randn(3, 4)
+    jagged = torch.nested.nested_tensor([a, b], layout=torch.jagged, device=device)
+    parts = (jagged * 2 + 1).unbind()
+    assert all(torch.equal(p.cpu(), q * 2 + 1) for p, q in zip(parts, (a, b)))
+    strided = torch.nested.nested_tensor([a, b], device=device)
+    with pytest.raises(NotImplementedError, match="layout=torch.jagged"):
+        strided * 2
+
+
 @pytest.mark.filterwarnings("ignore:.*quantized tensor creation functions.*:UserWarning")
 def test_quantized_tensors_are_refused_where_they_are_made_with_the_way_out(device):
     quantized = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)

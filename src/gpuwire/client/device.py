@@ -2180,6 +2180,7 @@ def register() -> None:
     _library.fallback(torch.library.fallthrough_kernel, dispatch_key="AutocastPrivateUse1")
     _library.fallback(_sparse_refused, dispatch_key="SparsePrivateUse1")
     _library.fallback(_quantized_refused, dispatch_key="QuantizedPrivateUse1")
+    _library.fallback(_strided_nested_refused, dispatch_key="NestedTensorPrivateUse1")
     _conv_plan = _RenamedPlan(None, aten.convolution.default, "aten::convolution.default")
     _conv_backward_plan = _RenamedPlan(None, aten.convolution_backward.default, "aten::convolution_backward.default",
                                        _conv_backward_args)
@@ -2371,6 +2372,15 @@ def _quantized_refused(op, *args, **kwargs):
         f"gpuwire: quantized tensors are not supported on the gpuwire device ({op}). Quantize and run quantized "
         "models on the CPU, or keep the model in floating point (bfloat16 / float16) on the device; "
         "x.dequantize() gives a float tensor you can move to it")
+
+
+def _strided_nested_refused(op, *args, **kwargs):
+    """Nested tensors of the strided layout (PyTorch's older C++ form) have no remote form;
+    the jagged layout is a Python subclass over dense tensors and runs as they do."""
+    raise NotImplementedError(
+        f"gpuwire: nested tensors of the strided layout are not supported on the gpuwire device ({op}); "
+        "make them with torch.nested.nested_tensor(..., layout=torch.jagged), which PyTorch recommends and "
+        "gpuwire runs, or pad to a dense batch")
 
 
 def runtime_or_none() -> Runtime | None:
