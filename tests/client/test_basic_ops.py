@@ -558,3 +558,22 @@ def test_data_assignment_moves_a_parameter_across_the_boundary_keeping_the_objec
     with pytest.raises(RuntimeError, match=r"incompatible tensor type.*Use `tensor.to\(...\)`"):
         pinned.data = torch.ones(3)
     del view
+
+
+def test_torch_accelerator_memory_api_reports_the_devices_memory(device):
+    # (a device backed from Python has no C++ DeviceAllocator: these asserted inside PyTorch)
+    assert torch.accelerator.current_accelerator().type == "gpuwire"
+    gpuwire.synchronize()
+    before = torch.accelerator.memory_allocated()
+    x = torch.empty(250_000, device=device)  # 1 MB
+    assert torch.accelerator.memory_allocated() == before + 1_000_000 == torch.gpuwire.memory_allocated()
+    assert torch.accelerator.memory_reserved() >= torch.accelerator.memory_allocated()
+    stats = torch.accelerator.memory_stats()
+    assert stats["allocated_bytes.all.current"] == before + 1_000_000
+    assert torch.accelerator.max_memory_allocated() >= before + 1_000_000
+    del x
+    torch.accelerator.empty_cache()
+    torch.accelerator.reset_peak_memory_stats()
+    assert torch.accelerator.max_memory_allocated() == torch.accelerator.memory_allocated() == before
+    free, total = torch.accelerator.get_memory_info()
+    assert total > 0 and 0 <= free <= total

@@ -189,10 +189,6 @@ def _capability_of(info: dict) -> tuple[int, int]:
     return int(info.get("major", 0)), int(info.get("minor", 0))
 
 
-def _memory(key: str) -> int:
-    return int(_device.runtime().query("memory")[key])
-
-
 # (the device module's streams and events: the same objects under torch.cuda)
 Event, Stream = _torch_module.Event, _torch_module.Stream
 _default_stream, _stream_context = _torch_module.current_stream, _torch_module.stream
@@ -212,16 +208,6 @@ class _CUDAGraph:
 
 def _cuda_functions() -> dict:
     tm = _torch_module
-
-    def mem_get_info(device=None):
-        total = int(_remote_info().get("total_memory", 0))
-        return max(total - _memory("bytes_in_use"), 0), total
-
-    def memory_stats(device=None) -> dict:
-        used, peak = _memory("bytes_in_use"), _memory("peak_bytes")
-        return {"allocated_bytes.all.current": used, "allocated_bytes.all.peak": peak,
-                "reserved_bytes.all.current": used, "reserved_bytes.all.peak": peak}
-
     return {
         "is_available": lambda: True,
         "is_initialized": lambda: True,
@@ -243,17 +229,10 @@ def _cuda_functions() -> dict:
         "get_arch_list": lambda: ["sm_80"],
         "is_bf16_supported": lambda including_emulation=True: True,
         "synchronize": lambda device=None: _device.runtime().synchronize(),
-        "mem_get_info": mem_get_info,
-        "memory_allocated": lambda device=None: _memory("bytes_in_use"),
-        "max_memory_allocated": lambda device=None: _memory("peak_bytes"),
-        "memory_reserved": lambda device=None: _memory("bytes_in_use"),
-        "max_memory_reserved": lambda device=None: _memory("peak_bytes"),
-        "reset_peak_memory_stats": lambda device=None: _device.runtime().query("reset_peak") and None,
-        "reset_max_memory_allocated": lambda device=None: _device.runtime().query("reset_peak") and None,
-        "reset_accumulated_memory_stats": lambda device=None: None,
-        "memory_stats": memory_stats,
-        "memory_summary": lambda device=None, abbreviated=False: (
-            f"gpuwire device memory: {_memory('bytes_in_use')} bytes allocated, {_memory('peak_bytes')} peak"),
+        **{name: getattr(tm, name) for name in (
+            "mem_get_info", "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
+            "reset_peak_memory_stats", "reset_max_memory_allocated", "reset_accumulated_memory_stats",
+            "memory_stats", "memory_summary")},
         "empty_cache": tm.empty_cache,
         "ipc_collect": lambda: None,
         "manual_seed": tm.manual_seed,

@@ -2172,6 +2172,7 @@ def register() -> None:
     if current != DEVICE_TYPE:
         _setup_privateuseone_for_python_backend(DEVICE_TYPE, backend_module=torch_module.module,
                                                 hook=torch_module.Hooks(), device_guard=torch_module.Guard())
+    torch_module.bridge_accelerator_memory()
     DEVICE = torch.device(DEVICE_TYPE, 0)
     global _library, _aten_library
     _library = torch.library.Library("_", "IMPL")

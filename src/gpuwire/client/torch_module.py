@@ -16,6 +16,7 @@ import types
 import torch
 
 from . import device as _device
+from .wire import DEVICE_TYPE
 
 
 class Hooks(torch._C._acc.PrivateUse1Hooks):
@@ -207,10 +208,72 @@ def max_memory_allocated(device=None) -> int:
     return _memory("peak_bytes")
 
 
+# the node allocates each storage as asked (no cache of its own beyond the device's): what is
+# reserved is what is allocated
+memory_reserved, max_memory_reserved = memory_allocated, max_memory_allocated
+
+
 def reset_peak_memory_stats(device=None) -> None:
     rt = _device.current_runtime()
     if rt is not None:
         rt.query("reset_peak")
+
+
+reset_max_memory_allocated = reset_peak_memory_stats
+
+
+def reset_accumulated_memory_stats(device=None) -> None:
+    """(no accumulated counters are kept)"""
+
+
+def mem_get_info(device=None) -> tuple[int, int]:
+    """(free, total) bytes of the device, as this session sees it."""
+    total = int(_device.runtime().device_info.get("total_memory", 0))
+    return max(total - _memory("bytes_in_use"), 0), total
+
+
+def _nested_memory_stats() -> dict:
+    used, peak = _memory("bytes_in_use"), _memory("peak_bytes")
+    counters = {"all": {"current": used, "peak": peak}}
+    return {"allocated_bytes": counters, "reserved_bytes": counters, "active_bytes": counters}
+
+
+def memory_stats(device=None) -> dict:
+    """The allocator statistics a CUDA program reads (flattened, as ``torch.cuda.memory_stats``)."""
+    return {f"{name}.all.{which}": value for name, pools in _nested_memory_stats().items()
+            for which, value in pools["all"].items()}
+
+
+def memory_summary(device=None, abbreviated=False) -> str:
+    return f"gpuwire device memory: {_memory('bytes_in_use')} bytes allocated, {_memory('peak_bytes')} peak"
+
+
+def bridge_accelerator_memory() -> None:
+    """``torch.accelerator.memory_allocated()`` and the rest ask PyTorch's C++ for the current
+    accelerator's ``DeviceAllocator``, which a device backed from Python (as this one is) does not
+    have: they failed with "INTERNAL ASSERT FAILED ... Allocator for gpuwire is not a
+    DeviceAllocator". Where the gpuwire device is the current accelerator, the C++ entry points
+    those functions call answer from the node's figures instead; elsewhere (a machine with a local
+    GPU) PyTorch's own answer."""
+    def bridged(name, ours):
+        original = getattr(torch._C, name, None)
+        if original is None or getattr(original, "_gpuwire_bridge", False):
+            return
+
+        def entry(*args):
+            accelerator = torch.accelerator.current_accelerator()
+            if accelerator is None or accelerator.type != DEVICE_TYPE:
+                return original(*args)
+            return ours(*args)
+        entry._gpuwire_bridge = True
+        setattr(torch._C, name, entry)
+
+    bridged("_accelerator_isAllocatorInitialized", lambda: True)
+    bridged("_accelerator_getDeviceStats", lambda index=None: _nested_memory_stats())
+    bridged("_accelerator_resetPeakStats", lambda index=None: reset_peak_memory_stats())
+    bridged("_accelerator_resetAccumulatedStats", lambda index=None: None)
+    bridged("_accelerator_getMemoryInfo", lambda index=None: mem_get_info())
+    bridged("_accelerator_emptyCache", lambda: empty_cache())
 
 
 def empty_cache() -> None:
