@@ -9,4 +9,4 @@ timeout 150 python3 -m bench --only gpu --out $OUT 2>&1 | tail -9 | tee $OUT/ben
 timeout 60 python3 -m bench.gpu_profile --out $OUT 2>&1 | tail -4
 rm -rf $OUT/node-profile
 # the client's flush age (GPUWIRE_FLUSH_AGE_US) against the GPU's idle time in a GPT-2 small step
-for age in 200 50 0; do echo "flush age $age us"; GPUWIRE_FLUSH_AGE_US=$age timeout 80 python3 -m bench.gpu_timeline --steps 3 --out /tmp/age$age 2>&1 | grep "^local\|^remote {"; done
+for age in 200 50 0 25:200; do echo "flush age $age us"; GPUWIRE_FLUSH_AGE_US=$age timeout 80 python3 -m bench.gpu_timeline --steps 3 --out /tmp/age${age/:/-} 2>&1 | grep "^local\|^remote {"; done

@@ -153,6 +153,7 @@ def test_a_queued_command_waits_its_age_for_company_then_goes_with_the_next(devi
     op_after(age * 1.5)  # a fixed age: no back-off
     assert flushes == [3, 2]
     monkeypatch.setattr(rt, "_flush_age", 0.0)  # GPUWIRE_FLUSH_AGE_US=0: each command at once
+    monkeypatch.setattr(rt, "_flush_age_max", 0.0)
     op_after(0)
     op_after(0)
     assert flushes == [3, 2, 1, 1]
@@ -160,14 +161,47 @@ def test_a_queued_command_waits_its_age_for_company_then_goes_with_the_next(devi
     assert torch.equal(x.cpu(), torch.full((4,), 9.0))
 
 
+def test_a_ramped_flush_age_starts_small_after_each_sync_point_and_doubles(device, monkeypatch):
+    # GPUWIRE_FLUSH_AGE_US=25:200: right after a sync point the node has nothing left to run,
+    # so the first commands go out soon; batches grow as the client gets ahead
+    x = torch.ones(4, device=device)
+    gpuwire.synchronize()
+    clock = [1000.0]
+    monkeypatch.setattr(runtime_module, "_perf_counter", lambda: clock[0])
+    flushes = []
+    real = runtime_module.send_parts
+    monkeypatch.setattr(runtime_module, "send_parts", lambda sock, parts: flushes.append(len(parts)) or real(sock, parts))
+    rt = _rt()
+    monkeypatch.setattr(rt, "_flush_age_first", 25e-6)
+    monkeypatch.setattr(rt, "_flush_age_max", 200e-6)
+    gpuwire.synchronize()  # (a sync point with nothing queued sends only its own frame)
+    flushes.clear()
+    rt._flush_age = 25e-6
+
+    def op_after(seconds):
+        clock[0] += seconds
+        x.add_(1)
+
+    waited = []
+    for _ in range(5):
+        age = rt._flush_age
+        op_after(0)
+        op_after(age * 1.01)  # the batch's first command waited just past the age: out it goes
+        waited.append(round(age * 1e6))
+    assert waited == [25, 50, 100, 200, 200] and flushes == [2] * 5
+    gpuwire.synchronize()  # the node caught up: the next batch waits 25 us again
+    assert rt._flush_age == 25e-6
+    assert torch.equal(x.cpu(), torch.full((4,), 11.0))
+
+
 def test_the_flush_age_is_set_in_microseconds_and_a_bad_value_says_what_to_give(monkeypatch):
     monkeypatch.delenv("GPUWIRE_FLUSH_AGE_US", raising=False)
-    assert runtime_module.configured_flush_age() == runtime_module.FLUSH_AGE
-    monkeypatch.setenv("GPUWIRE_FLUSH_AGE_US", "50")
-    assert runtime_module.configured_flush_age() == pytest.approx(50e-6)
-    monkeypatch.setenv("GPUWIRE_FLUSH_AGE_US", "0")
-    assert runtime_module.configured_flush_age() == 0.0
-    for bad in ("fast", "-5", "1e9"):
+    default = runtime_module.FLUSH_AGE
+    assert runtime_module.configured_flush_age() == (default, default)
+    for text, expected in (("50", (50e-6, 50e-6)), ("0", (0.0, 0.0)), ("25:200", (25e-6, 200e-6))):
+        monkeypatch.setenv("GPUWIRE_FLUSH_AGE_US", text)
+        assert runtime_module.configured_flush_age() == pytest.approx(expected)
+    for bad in ("fast", "-5", "1e9", "200:25", "1:2:3"):
         monkeypatch.setenv("GPUWIRE_FLUSH_AGE_US", bad)
         with pytest.raises(ValueError, match="GPUWIRE_FLUSH_AGE_US.*microseconds"):
             runtime_module.configured_flush_age()

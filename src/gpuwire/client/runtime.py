@@ -66,27 +66,33 @@ FLUSH_OPS = 64
 FLUSH_BYTES = 1 << 20
 # a queued command waits at most this long (seconds) for company: sent with the next command
 # after it, so the node starts on a step's first (often largest) kernels while the client is
-# still dispatching the rest. Fixed: backing off to 800 us after each flush made for age halved
-# the socket writes per step, but in one interleaved run GPT-2 steps went 1.52x -> 1.71x of
-# local (the node starved between batches). ``GPUWIRE_FLUSH_AGE_US`` sets it (a measurement's
-# knob: on an H100 the GPU idled ~170-200 us before each attention kernel of a GPT-2 forward)
+# still dispatching the rest. Fixed by default: backing off to 800 us after each flush made for
+# age halved the socket writes per step, but in one interleaved run GPT-2 steps went 1.52x ->
+# 1.71x of local (the node starved between batches). ``GPUWIRE_FLUSH_AGE_US`` sets it, or a ramp
+# ("25:200": 25 us after each sync point, when the node has nothing left to run, doubling with
+# each flush made for age up to 200): a measurement's knob, since on an H100 the GPU idled
+# ~170-200 us before each attention kernel of a GPT-2 forward and 2.3 ms at a step's start
 FLUSH_AGE = 200e-6
 
 
-def configured_flush_age() -> float:
-    """``GPUWIRE_FLUSH_AGE_US`` in seconds (0: every command goes out at once), else FLUSH_AGE."""
+def configured_flush_age() -> tuple[float, float]:
+    """(age after a sync point, age it may double up to), in seconds, from ``GPUWIRE_FLUSH_AGE_US``
+    ("N", or "START:MAX"; 0 sends each command at once); unset, FLUSH_AGE for both."""
     text = os.environ.get("GPUWIRE_FLUSH_AGE_US", "").strip()
     if not text:
-        return FLUSH_AGE
+        return FLUSH_AGE, FLUSH_AGE
     try:
-        micros = float(text)
+        micros = [float(part) for part in text.split(":")]
     except ValueError:
-        micros = -1.0
-    if not 0 <= micros <= 1e6:
-        raise ValueError(f"GPUWIRE_FLUSH_AGE_US={text!r}: give the microseconds a queued command may wait "
-                         f"for company before it is sent, from 0 (send each at once) to 1000000; "
-                         f"unset, it is {FLUSH_AGE * 1e6:.0f}")
-    return micros * 1e-6
+        micros = []
+    if not (1 <= len(micros) <= 2 and all(0 <= m <= 1e6 for m in micros) and micros[0] <= micros[-1]):
+        raise ValueError(f"GPUWIRE_FLUSH_AGE_US={text!r}: give the microseconds a queued command may wait for "
+                         f"company before it is sent, from 0 (send each at once) to 1000000, or START:MAX to "
+                         f"start at START after each sync point and double up to MAX; unset, it is "
+                         f"{FLUSH_AGE * 1e6:.0f}")
+    return micros[0] * 1e-6, micros[-1] * 1e-6
+
+
 CHUNK_BYTES = 16 << 20  # bulk transfers travel in frames of at most this many bytes
 COPY_PAYLOAD_BELOW = 256 << 10  # smaller uploads are copied into the queue; larger ones sent at once
 FIRST_ADDRESS = 1 << 32
@@ -152,7 +158,10 @@ class Runtime:
         self._queue: list = []
         self._queue_bytes = 0
         self._queued_at = 0.0  # perf_counter() when the oldest queued command was queued
-        self._flush_age = configured_flush_age()  # how long a queued command waits for company
+        # how long a queued command waits for company now; what it starts at after a sync point
+        # and may double up to
+        self._flush_age_first, self._flush_age_max = configured_flush_age()
+        self._flush_age = self._flush_age_first
         self._next_address = FIRST_ADDRESS
         self._live: dict[int, StorageRef] = {}
         self._live_bytes: dict[int, int] = {}
@@ -315,11 +324,14 @@ class Runtime:
         if len(queue) >= FLUSH_OPS or self._queue_bytes >= FLUSH_BYTES:
             self._flush()
         elif now - self._queued_at >= self._flush_age:
-            self._flush()
+            self._flush_age = min(2 * self._flush_age, self._flush_age_max)
+            self._flush()  # (which starts over at the first age if it is a sync point's)
 
     def _flush(self) -> None:
         if not self._queue:
             return
+        if self._awaiting is not None:  # a sync point: the node will have nothing left to run
+            self._flush_age = self._flush_age_first
         self._check_alive()
         parts, self._queue = self._queue, []
         self._queue_bytes = 0
@@ -501,6 +513,7 @@ class Runtime:
             if len(queue) >= FLUSH_OPS or self._queue_bytes >= FLUSH_BYTES:
                 self._flush()
             elif now - self._queued_at >= self._flush_age:
+                self._flush_age = min(2 * self._flush_age, self._flush_age_max)
                 self._flush()
             if self._allocs_since_scan >= SCAN_EVERY:
                 self._collect_garbage()
