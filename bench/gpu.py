@@ -205,16 +205,25 @@ def _gpt_step(result, label, local, remote, local_device, gpt, batch, seq, steps
     lm, rm = median(times["local"]) * 1e3, median(times["remote"]) * 1e3
     judged = local_device == "cuda" and not amp  # the target: float32 on a real GPU
     same = losses["local"] == losses["remote"]
+    note = "losses equal local's bit for bit"
+    if not same:
+        # is it gpuwire, or does local CUDA differ from itself (kernels with atomics)? Run it again
+        local(op="gpt", key=label + " again", gpt=gpt, batch=batch, seq=seq, amp=amp)
+        try:
+            again = [local(op="gpt_step", key=label + " again", i=i)["loss"] for i in range(2 + steps)]
+        finally:
+            local(op="gpt_done", key=label + " again")
+        note = _first_difference(losses["local"], losses["remote"], "local's") + "; " + (
+            "local equals itself run again" if again == losses["local"] else
+            _first_difference(losses["local"], again, "a second local run's"))
     result.add(label, rm, "ms", lm, baseline_label=f"local {local_device} ms",
-               target="<= 1.05x local" if judged else None, ok=(rm <= 1.05 * lm) if judged else None,
-               note="losses equal local's bit for bit" if same else _first_difference(losses))
+               target="<= 1.05x local" if judged else None, ok=(rm <= 1.05 * lm) if judged else None, note=note)
 
 
-def _first_difference(losses: dict) -> str:
-    step = next(i for i, (a, b) in enumerate(zip(losses["local"], losses["remote"])) if a != b)
-    return (f"losses differ from local's from step {step} of {len(losses['local'])} (warm-up included): "
-            f"{losses['local'][step]!r} vs {losses['remote'][step]!r}; last {losses['local'][-1]!r} vs "
-            f"{losses['remote'][-1]!r}")
+def _first_difference(expected: list, got: list, whose: str) -> str:
+    step = next(i for i, (a, b) in enumerate(zip(expected, got)) if a != b)
+    return (f"losses differ from {whose} from step {step} of {len(expected)} (warm-up included): "
+            f"{expected[step]!r} vs {got[step]!r}; last {expected[-1]!r} vs {got[-1]!r}")
 
 
 if __name__ == "__main__":

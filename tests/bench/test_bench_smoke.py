@@ -76,6 +76,11 @@ def test_gpu_benchmark_runs_its_code_path_on_the_cpu_backend():
     # float32 training there and through gpuwire gives the same losses
     fp32_step = next(f for f in result["figures"] if "train step" in f["figure"] and "autocast" not in f["figure"])
     assert fp32_step["note"] == "losses equal local's bit for bit", fp32_step
+    # under autocast the CPU's op lists differ from CUDA's (which the device follows): the losses
+    # differ, and the note says from which step and whether local equals itself run again
+    amp_step = next(f for f in result["figures"] if "autocast" in f["figure"])
+    assert "losses differ from local's from step" in amp_step["note"], amp_step
+    assert amp_step["note"].endswith("local equals itself run again"), amp_step
 
 
 def test_gpuwire_bench_runs_the_suite_from_any_directory(tmp_path):
