@@ -169,3 +169,21 @@ def test_a_contiguous_half_precision_query_keeps_the_contiguous_layout(device, g
     assert rq.grad.stride() == (512, 128, 8, 1)
     F.scaled_dot_product_attention(q, k, v).sum().backward()
     assert torch.equal(rq.grad.cpu(), q.grad)
+
+
+def test_attention_gradients_follow_a_dense_querys_own_layout(device, gpu_declarations):
+    # heads from separate projections, each (B, L, H, E) memory: CUDA's backward gives each
+    # gradient its input's layout; a contiguous query's gradient stays contiguous
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 16, 4, 8).transpose(1, 2) for _ in range(3))
+    c = torch.randn(2, 4, 16, 8)
+    for inputs in ((q, k, v), (c, c.clone(), c.clone())):
+        remote = [t.to(device).requires_grad_() for t in inputs]
+        seen = {}
+        for i, t in enumerate(remote):
+            t.register_hook(lambda grad, i=i: seen.__setitem__(i, grad.stride()))
+        F.scaled_dot_product_attention(*remote).sum().backward()
+        assert seen == {i: inputs[i].stride() for i in range(3)}
+        local = [t.clone().requires_grad_() for t in inputs]
+        F.scaled_dot_product_attention(*local).sum().backward()
+        assert all(torch.equal(r.grad.cpu(), t.grad) for r, t in zip(remote, local))

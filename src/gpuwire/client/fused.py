@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 from . import device as _device
 from . import recompute
@@ -110,8 +111,19 @@ def _cuda_keeps_sequence_major(q, k, v) -> bool:
     .reshape`` copied it back: two copies a layer that a local run does not make. A contiguous
     query keeps the meta device's answer (cuDNN on an H200 returned contiguous memory for it)."""
     return (q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype
-            and q.dim() == k.dim() == v.dim() == 4 and q.stride(-1) == 1 and q.stride(1) < q.stride(2)
-            and q.shape[1] > 1 and q.shape[-2] > 1)
+            and q.dim() == k.dim() == v.dim() == 4 and q.shape[:2] == k.shape[:2] == v.shape[:2]
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and q.stride(1) < q.stride(2)
+            and q.shape[-1] == k.shape[-1] and q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0
+            and q.shape[-1] <= 256 and q.shape[1] > 1 and q.shape[-2] > 1 and k.shape[-2] > 0)
+
+
+def _cuda_grad_layout(t) -> tuple:
+    """The layout CUDA's fused attention backward gives the gradient of ``t`` (q, k or v): an
+    empty_like of the (B, L, H, E) view it works in, so ``t``'s own strides where ``t`` is dense,
+    else dense (B, L, H, E) memory (heads split from one projection: strides with gaps)."""
+    if is_non_overlapping_and_dense_or_false(t):
+        return tuple(t.stride())
+    return _sdpa_layout("flash", tuple(t.shape))
 
 
 def _sdpa_layout(kind: str, shape: tuple) -> tuple:
@@ -158,7 +170,7 @@ class _RemoteSDPA(torch.autograd.Function):
         wanted = [q, k, v] + ([attn_mask] if ctx.mask_requires_grad else [])
         specs = _specs_like(*wanted)
         if ctx.sequence_major:
-            specs[:3] = [_device.output_spec(t.shape, _sdpa_layout("flash", tuple(t.shape)), t.dtype) for t in wanted[:3]]
+            specs[:3] = [_device.output_spec(t.shape, _cuda_grad_layout(t), t.dtype) for t in wanted[:3]]
         else:
             grad_out = grad_out.contiguous()  # (a CPU node's kernels: what its layouts were measured with)
         grads = _device.submit_with_outputs(
