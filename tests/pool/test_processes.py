@@ -41,13 +41,17 @@ def node_key(admin):
 
 
 @pytest.fixture(scope="module")
-def nodes(folder, pool_proc, node_key):
+def nodes(folder, pool_proc, node_key, admin):
     started = []
     try:
         for name in ("node-a", "node-b"):  # started together, then waited for
             started.append(NodeProcess(folder, pool_proc.url, node_key, name, wait=False))
         for n in started:
             n.await_start()
+        # registered before any test sees them (tests of this module may run on different
+        # workers, each with its own pool and nodes: none may count on an earlier test's waiting)
+        for n in started:
+            wait_until(lambda n=n: n.node_id in [node["id"] for node in admin.nodes()], what=f"{n.node_id} to register")
         yield {n.node_id: n for n in started}
     finally:
         for n in started:
@@ -87,7 +91,7 @@ def test_heartbeats_report_sessions(admin, nodes, make_tenant):
     wait_until(lambda: admin.node(node)["usage"].get("sessions") == 0, what="the session to go")
 
 
-def test_node_killed_is_declared_dead_and_its_leases_fail(folder, pool_proc, admin, node_key, make_tenant):
+def test_node_killed_is_declared_dead_and_its_leases_fail(folder, pool_proc, admin, node_key, make_tenant, nodes):
     tag = unique("doomed")
     doomed = NodeProcess(folder, pool_proc.url, node_key, tag, "--max-sessions", "4")
     try:
