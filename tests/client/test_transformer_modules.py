@@ -113,20 +113,17 @@ def test_ops_sent_whole_stay_whole_under_inference_mode(device, layer):
 
 
 @pytest.fixture
-def gpu_declarations(device, monkeypatch):
+def gpu_declarations(device):
     """The client declaring results as it does for a CUDA node (the meta device's layouts and
     CUDA's attention layouts) while a CPU node runs them: the node copies any result whose kernel
-    chose another layout into the declared one, so values stay CPU's."""
+    chose another layout into the declared one, so values stay CPU's. Every layout learned
+    meanwhile is forgotten on the way back (later tests expect CPU's)."""
     from gpuwire.client import device as client_device
-    from gpuwire.client import fused
-    for cache in client_device.INFERENCE_CACHES:
-        cache.clear()
-    client_device._PLANS.clear()
-    monkeypatch.setattr(client_device, "_infer_as_cpu", False)
-    yield fused
-    for cache in client_device.INFERENCE_CACHES:
-        cache.clear()
-    client_device._PLANS.clear()
+    client_device.infer_as_cpu(False)
+    try:
+        yield
+    finally:
+        client_device.infer_as_cpu(True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

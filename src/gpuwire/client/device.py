@@ -115,20 +115,30 @@ os.register_at_fork(after_in_child=_forget_runtime_in_child)
 INFERENCE_CACHES: list[dict] = []  # other modules' output-metadata caches, cleared with the plans'
 
 
+def infer_as_cpu(as_cpu: bool) -> None:
+    """Infer results' layouts as the node's device type gives them: a CPU node's kernels (fake
+    CPU tensors) or another device's (the meta device, CUDA's rules). Switching forgets every
+    layout learned for the other type: the generic and direct plans', the C++ helper's, the
+    fused ops' and the device-to-device copies' (the direct plans and copies were kept before
+    session 22: a process that moved from a CPU node to a CUDA one declared CPU's layouts)."""
+    global _infer_as_cpu
+    if as_cpu == _infer_as_cpu:
+        return
+    _infer_as_cpu = as_cpu
+    _PLANS.clear()
+    if native.module is not None:
+        native.module.clear_op_caches()
+    for plan in (_conv_plan, _conv_backward_plan, *_direct_plans):
+        if plan is not None:
+            plan.cache.clear()
+    for cache in INFERENCE_CACHES:
+        cache.clear()
+
+
 def _set_runtime(rt: Runtime) -> None:
-    global _runtime, _infer_as_cpu
+    global _runtime
     _runtime = rt
-    as_cpu = rt.device_info.get("backend") == "cpu"
-    if as_cpu != _infer_as_cpu:  # cached output metadata was inferred for the other device type
-        _infer_as_cpu = as_cpu
-        _PLANS.clear()
-        if native.module is not None:
-            native.module.clear_op_caches()
-        for plan in (_conv_plan, _conv_backward_plan):
-            if plan is not None:
-                plan.cache.clear()
-        for cache in INFERENCE_CACHES:
-            cache.clear()
+    infer_as_cpu(rt.device_info.get("backend") == "cpu")
     rt.seed(_pending_seed if _pending_seed is not None else torch.initial_seed())
     precision.send(rt)  # TF32 / matmul-precision flags set before the session existed
 
@@ -2097,6 +2107,7 @@ def _to_copy_from_host(src, kwargs):
 
 # (dtype, sizes, strides, target dtype, memory format) -> output spec of ``_to_copy`` on the device
 _TO_COPY_SPECS: dict = {}
+INFERENCE_CACHES.append(_TO_COPY_SPECS)
 _TO_COPY_DEFAULTS = (None, torch.strided)
 
 
