@@ -313,9 +313,10 @@ class Context:
             child.kill()
 
     # nodes
-    def node(self, backend: str = "cpu", *extra: str, fresh: bool = False) -> Child:
+    def node(self, backend: str = "cpu", *extra: str, fresh: bool = False, env: dict | None = None) -> Child:
         """A live ``gpuwire serve`` on loopback with ``--threads`` = the local thread count
-        (``extra``: more ``serve`` options; ``fresh``: a new node, not the run's shared one)."""
+        (``extra``: more ``serve`` options; ``fresh``: a new node, not the run's shared one;
+        ``env``: more environment for it, e.g. ``GPUWIRE_PROFILE_SESSIONS``)."""
         key = (backend, *extra)
         node = self._nodes.get(key)
         if node is not None and node.alive and not fresh:
@@ -325,7 +326,7 @@ class Context:
         cmd = [sys.executable, "-m", "gpuwire", "serve", "--host", "127.0.0.1", "--port", "0",
                "--backend", backend, "--threads", str(self.threads), "--log-level", "warning", "--exit-with-stdin",
                *extra]
-        node = self.spawn(cmd, what=f"gpuwire node ({backend})", env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+        node = self.spawn(cmd, what=f"gpuwire node ({backend})", env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0", **(env or {})})
         self._nodes[key] = node
         wait_idle(node.pid)
         return node
@@ -344,6 +345,17 @@ class Context:
 
 
 # ---------------------------------------------------------------- timing helpers
+
+
+def wait_for_files(directory: Path, pattern: str, timeout: float) -> list[Path]:
+    """The files matching ``pattern`` in ``directory`` once there is one (a node writes its
+    sessions' profiles when they end: whole, or not there), else [] after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = sorted(directory.glob(pattern))
+        if found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.1)
 
 
 def median(xs) -> float:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .common import Context, cpu_seconds
+from .common import Context, cpu_seconds, wait_for_files
 from .gpu import GptTrainer
 
 GPT2_SMALL = dict(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, n_positions=1024)
@@ -67,28 +67,19 @@ def profile(node, amp: bool, gpt: dict, batch: int, seq: int, steps: int, out: P
 
 def profile_node(ctx, backend: str, amp: bool, gpt: dict, batch: int, seq: int, out: Path) -> None:
     """Three steps against a fresh node whose session thread runs under cProfile."""
-    import os
-
     import gpuwire
     gpuwire.detach()
     directory = out / "node-profile"
     directory.mkdir(exist_ok=True)
-    os.environ["GPUWIRE_PROFILE_SESSIONS"] = str(directory.resolve())
-    try:
-        node = ctx.node(backend, fresh=True)
-    finally:
-        del os.environ["GPUWIRE_PROFILE_SESSIONS"]
+    node = ctx.node(backend, fresh=True, env={"GPUWIRE_PROFILE_SESSIONS": str(directory.resolve())})
     gpuwire.attach(node.address)
     trainer = GptTrainer(torch.device("gpuwire"), gpt, batch, seq, amp)
     for i in range(5):
         trainer.step(i)
     del trainer
     gpuwire.detach()
-    deadline = time.monotonic() + 30
-    while not list(directory.glob("session-*.prof")) and time.monotonic() < deadline:
-        time.sleep(0.2)
     text = io.StringIO()
-    for path in directory.glob("session-*.prof"):
+    for path in wait_for_files(directory, "session-*.prof", 30):
         pstats.Stats(str(path), stream=text).sort_stats("tottime").print_stats(40)
         path.unlink()
     (out / f"gpu_profile_node_{'bf16' if amp else 'fp32'}.txt").write_text(text.getvalue())

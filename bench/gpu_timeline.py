@@ -20,7 +20,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -141,14 +140,10 @@ def _record_local(trace_path: Path, gpt: dict, batch: int, seq: int, warm: int, 
 def _record_remote(directory: Path, gpt: dict, batch: int, seq: int, warm: int, steps: int, amp: bool) -> Path:
     import gpuwire
 
-    from .common import Context
+    from .common import Context, wait_for_files
     from .gpu import GptTrainer
     ctx = Context(quick=False, threads=torch.get_num_threads())
-    os.environ["GPUWIRE_PROFILE_KERNELS"] = str(directory)
-    try:
-        node = ctx.node("cuda", fresh=True)
-    finally:
-        del os.environ["GPUWIRE_PROFILE_KERNELS"]
+    node = ctx.node("cuda", fresh=True, env={"GPUWIRE_PROFILE_KERNELS": str(directory)})
     try:
         gpuwire.attach(node.address)
         trainer = GptTrainer(torch.device("gpuwire"), gpt, batch, seq, amp)
@@ -156,13 +151,10 @@ def _record_remote(directory: Path, gpt: dict, batch: int, seq: int, warm: int, 
             trainer.step(i)
         del trainer
         gpuwire.detach()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            found = list(directory.glob("session-*.trace.json"))
-            if found:
-                return found[0]
-            time.sleep(0.2)
-        raise RuntimeError("the node wrote no kernel trace within 60 s")
+        found = wait_for_files(directory, "session-*.trace.json", 60)
+        if not found:
+            raise RuntimeError("the node wrote no kernel trace within 60 s")
+        return found[0]
     finally:
         ctx.kill_all()
 

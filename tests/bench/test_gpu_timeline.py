@@ -8,9 +8,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
-
-import torch
 
 from bench.gpu_timeline import compare, launchers, steps_of
 
@@ -68,20 +65,16 @@ gpuwire.detach()
 """
 
 
-def test_a_node_asked_to_records_each_sessions_timeline(tmp_path, monkeypatch):
-    from bench.common import Context
-    monkeypatch.setenv("GPUWIRE_PROFILE_KERNELS", str(tmp_path))
+def test_a_node_asked_to_records_each_sessions_timeline(tmp_path):
+    from bench.common import Context, wait_for_files
     ctx = Context(quick=True, threads=1)
     try:
-        node = ctx.node("cpu", fresh=True)
+        node = ctx.node("cpu", fresh=True, env={"GPUWIRE_PROFILE_KERNELS": str(tmp_path)})
         # (the client in a process of its own: this one's stays attached to the suite's node)
         run = subprocess.run([sys.executable, "-c", CLIENT, node.address], capture_output=True, text=True,
                              timeout=120, env=_env())
         assert run.returncode == 0, run.stderr[-2000:]
-        deadline = time.monotonic() + 60
-        while not list(tmp_path.glob("session-*.trace.json")) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        (trace,) = tmp_path.glob("session-*.trace.json")
+        (trace,) = wait_for_files(tmp_path, "session-*.trace.json", 60)
         names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
         assert "aten::mul" in names, sorted(n for n in names if n and n.startswith("aten::"))
         assert not list(tmp_path.glob("*.partial"))

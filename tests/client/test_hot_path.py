@@ -127,22 +127,34 @@ def test_device_guard_type():
     assert torch_module.Guard().type_() == torch._C._autograd.DeviceType.PrivateUse1
 
 
-def test_a_queued_command_waits_its_age_for_company_then_goes_with_the_next(device, monkeypatch):
-    x = torch.ones(4, device=device)
-    x.add_(1)
-    gpuwire.synchronize()
+@pytest.fixture
+def clocked_flushes(device, monkeypatch):
+    """(how many frames each send carried, ``op_after(seconds, x)``: advance the client's clock,
+    then queue ``x.add_(1)``)."""
     clock = [1000.0]
     monkeypatch.setattr(runtime_module, "_perf_counter", lambda: clock[0])
     flushes = []
     real = runtime_module.send_parts
     monkeypatch.setattr(runtime_module, "send_parts", lambda sock, parts: flushes.append(len(parts)) or real(sock, parts))
+
+    def op_after(seconds, x):
+        clock[0] += seconds
+        x.add_(1)
+    return flushes, op_after
+
+
+def test_a_queued_command_waits_its_age_for_company_then_goes_with_the_next(device, monkeypatch, clocked_flushes):
+    x = torch.ones(4, device=device)
+    x.add_(1)
+    gpuwire.synchronize()
+    flushes, queue_after = clocked_flushes
+    flushes.clear()  # (the setup's own sends)
     rt = _rt()
     age = rt._flush_age
     assert age == runtime_module.FLUSH_AGE  # (unset GPUWIRE_FLUSH_AGE_US)
 
     def op_after(seconds):
-        clock[0] += seconds
-        x.add_(1)
+        queue_after(seconds, x)
 
     op_after(0)  # opens a batch
     op_after(age * 0.9)
@@ -161,16 +173,12 @@ def test_a_queued_command_waits_its_age_for_company_then_goes_with_the_next(devi
     assert torch.equal(x.cpu(), torch.full((4,), 9.0))
 
 
-def test_a_ramped_flush_age_starts_small_after_each_sync_point_and_doubles(device, monkeypatch):
+def test_a_ramped_flush_age_starts_small_after_each_sync_point_and_doubles(device, monkeypatch, clocked_flushes):
     # GPUWIRE_FLUSH_AGE_US=25:200: right after a sync point the node has nothing left to run,
     # so the first commands go out soon; batches grow as the client gets ahead
     x = torch.ones(4, device=device)
     gpuwire.synchronize()
-    clock = [1000.0]
-    monkeypatch.setattr(runtime_module, "_perf_counter", lambda: clock[0])
-    flushes = []
-    real = runtime_module.send_parts
-    monkeypatch.setattr(runtime_module, "send_parts", lambda sock, parts: flushes.append(len(parts)) or real(sock, parts))
+    flushes, queue_after = clocked_flushes
     rt = _rt()
     monkeypatch.setattr(rt, "_flush_age_first", 25e-6)
     monkeypatch.setattr(rt, "_flush_age_max", 200e-6)
@@ -179,8 +187,7 @@ def test_a_ramped_flush_age_starts_small_after_each_sync_point_and_doubles(devic
     rt._flush_age = 25e-6
 
     def op_after(seconds):
-        clock[0] += seconds
-        x.add_(1)
+        queue_after(seconds, x)
 
     waited = []
     for _ in range(5):
