@@ -94,11 +94,17 @@ def _cuda_takes_efficient_attention(q, k, v) -> bool:
     rounded differently a few steps later (with this, its losses equal a local run's). Half and
     bfloat16 calls keep the meta device's answer, which matched the H200's (cuDNN attention,
     contiguous). A call this misjudges costs a copy on the node, as before."""
-    return (q.dtype == torch.float32 and k.dtype == v.dtype == q.dtype
-            and q.dim() == k.dim() == v.dim() == 4 and q.shape[:2] == k.shape[:2] == v.shape[:2]
-            and q.shape[-1] == k.shape[-1] and q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0
-            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and q.shape[-2] > 0 and k.shape[-2] > 0
+    return (q.dtype == torch.float32 and _fused_kernel_shapes(q, k, v) and q.shape[-2] > 0
             and torch.backends.cuda.mem_efficient_sdp_enabled())
+
+
+def _fused_kernel_shapes(q, k, v) -> bool:
+    """Shapes CUDA's fused attention kernels take: (B, H, L, E) of one batch and head count, one
+    dtype, head sizes a multiple of 8 (query's and key's equal), last dimension contiguous, keys."""
+    return (k.dtype == v.dtype == q.dtype and q.dim() == k.dim() == v.dim() == 4
+            and q.shape[:2] == k.shape[:2] == v.shape[:2] and q.shape[-1] == k.shape[-1]
+            and q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k.shape[-2] > 0)
 
 
 def _cuda_keeps_sequence_major(q, k, v) -> bool:
@@ -110,11 +116,8 @@ def _cuda_keeps_sequence_major(q, k, v) -> bool:
     contiguous, the node copied each output into that layout and the model's ``transpose(1, 2)
     .reshape`` copied it back: two copies a layer that a local run does not make. A contiguous
     query keeps the meta device's answer (cuDNN on an H200 returned contiguous memory for it)."""
-    return (q.dtype in (torch.float16, torch.bfloat16) and k.dtype == v.dtype == q.dtype
-            and q.dim() == k.dim() == v.dim() == 4 and q.shape[:2] == k.shape[:2] == v.shape[:2]
-            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and q.stride(1) < q.stride(2)
-            and q.shape[-1] == k.shape[-1] and q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0
-            and q.shape[-1] <= 256 and q.shape[1] > 1 and q.shape[-2] > 1 and k.shape[-2] > 0)
+    return (q.dtype in (torch.float16, torch.bfloat16) and _fused_kernel_shapes(q, k, v)
+            and q.stride(1) < q.stride(2) and q.shape[-1] <= 256 and q.shape[1] > 1 and q.shape[-2] > 1)
 
 
 def _cuda_grad_layout(t) -> tuple:
