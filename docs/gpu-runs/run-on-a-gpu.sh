@@ -1,12 +1,18 @@
 #!/bin/bash
+# From the repository root on a GPU machine, with gpuwire's missing dependencies as wheels in .whl/
+# (docs/gpu-runs/README.md). Writes every figure under $OUT; the most wanted ones first, so a run cut
+# short by its time limit still says something.
 nvidia-smi -L; python3 -c "import torch; print(torch.__version__)"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore::RuntimeWarning
 # the C++ helpers build here only with a compiler: say which paths the figures below used
 timeout 120 python3 -c "from gpuwire.client import native as c; from gpuwire.node import native as n; from gpuwire.client import autocast as a; from gpuwire.node import loop as l; c.install(); n.install(); l.install(); print('helpers: client', c.status(), '| autocast', a.status(), '| node', n.status(), '| node loop', l.status())" | tee $OUT/helpers.txt
-timeout 120 python3 -m bench.gpu_check --out $OUT 2>&1 | grep -v "^  \|^Traceback\|^    " | cut -c1-700
 timeout 150 python3 -m bench --only gpu --out $OUT 2>&1 | tail -9 | tee $OUT/bench.log
-timeout 60 python3 -m bench.gpu_profile --out $OUT 2>&1 | tail -4
-rm -rf $OUT/node-profile
 # the client's flush age (GPUWIRE_FLUSH_AGE_US) against the GPU's idle time in a GPT-2 small step
-for age in 200 50 0 25:200; do echo "flush age $age us"; GPUWIRE_FLUSH_AGE_US=$age timeout 80 python3 -m bench.gpu_timeline --steps 3 --out /tmp/age${age/:/-} 2>&1 | grep "^local\|^remote {"; done
+for age in ${FLUSH_AGES:-200 50 0 25:200}; do
+  echo "flush age $age us"
+  GPUWIRE_FLUSH_AGE_US=$age timeout 90 python3 -m bench.gpu_timeline --steps 3 --out $OUT/age-${age/:/-} 2>&1 | grep "^local\|^remote {"
+done
+timeout 120 python3 -m bench.gpu_check --out $OUT 2>&1 | grep -v "^  \|^Traceback\|^    " | cut -c1-700
+[ -n "$WITH_PROFILE" ] && timeout 60 python3 -m bench.gpu_profile --out $OUT 2>&1 | tail -4
+rm -rf $OUT/node-profile

@@ -168,19 +168,29 @@ def test_a_contiguous_half_precision_query_keeps_the_contiguous_layout(device, g
     assert torch.equal(rq.grad.cpu(), q.grad)
 
 
-def test_attention_gradients_follow_a_dense_querys_own_layout(device, gpu_declarations):
-    # heads from separate projections, each (B, L, H, E) memory: CUDA's backward gives each
-    # gradient its input's layout; a contiguous query's gradient stays contiguous
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_gradients_take_the_layouts_cudas_kernels_give(device, gpu_declarations, dtype):
+    # float32 runs CUDA's memory-efficient attention, whose backward makes every gradient dense
+    # (B, L, H, E) memory whatever its input's layout: a key and value made contiguous by a cat
+    # (Hugging Face's cache in a GPT-2 training step) included — declared as their inputs' layouts,
+    # four copies a layer came back on an H100 (two gradients, two reshapes). Half precision runs
+    # cuDNN (or flash) attention, whose gradients are empty_like their inputs: a dense input's own
+    # layout, a contiguous query's gradient contiguous
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 16, 4, 8).transpose(1, 2) for _ in range(3))
-    c = torch.randn(2, 4, 16, 8)
-    for inputs in ((q, k, v), (c, c.clone(), c.clone())):
+    batch, heads, length, size = 2, 4, 16, 8
+    sequence_major = (length * heads * size, size, heads * size, 1)
+    q, k, v = (torch.randn(batch, length, heads, size, dtype=dtype).transpose(1, 2) for _ in range(3))
+    c = torch.randn(batch, heads, length, size, dtype=dtype)
+    for inputs in ((q, k, v), (q, c, c.clone()), (c, c.clone(), c.clone())):
         remote = [t.to(device).requires_grad_() for t in inputs]
         seen = {}
         for i, t in enumerate(remote):
             t.register_hook(lambda grad, i=i: seen.__setitem__(i, grad.stride()))
         F.scaled_dot_product_attention(*remote).sum().backward()
-        assert seen == {i: inputs[i].stride() for i in range(3)}
+        if dtype == torch.float32:
+            assert seen == {0: sequence_major, 1: sequence_major, 2: sequence_major}
+        else:
+            assert seen == {i: inputs[i].stride() for i in range(3)}
         local = [t.clone().requires_grad_() for t in inputs]
         F.scaled_dot_product_attention(*local).sum().backward()
         assert all(torch.equal(r.grad.cpu(), t.grad) for r, t in zip(remote, local))

@@ -120,11 +120,15 @@ def _cuda_keeps_sequence_major(q, k, v) -> bool:
             and q.stride(1) < q.stride(2) and q.shape[-1] <= 256 and q.shape[1] > 1 and q.shape[-2] > 1)
 
 
-def _cuda_grad_layout(t) -> tuple:
-    """The layout CUDA's fused attention backward gives the gradient of ``t`` (q, k or v): an
-    empty_like of the (B, L, H, E) view it works in, so ``t``'s own strides where ``t`` is dense,
-    else dense (B, L, H, E) memory (heads split from one projection: strides with gaps)."""
-    if is_non_overlapping_and_dense_or_false(t):
+def _cuda_grad_layout(t, efficient: bool) -> tuple:
+    """The layout CUDA's fused attention backward gives the gradient of ``t`` (q, k or v).
+    Memory-efficient attention (float32) allocates every gradient as dense (B, L, H, E) memory
+    whatever its input's layout (``_efficient_attention_backward``'s ``at::empty`` of the
+    (B, L, H, E) sizes): a key or value made contiguous by a ``cat`` (Hugging Face's cache)
+    gets that layout too. cuDNN and flash attention (half precision) allocate an ``empty_like``
+    of the input: ``t``'s own strides where ``t`` is dense, else dense memory in ``t``'s order,
+    (B, L, H, E) for heads split from one projection (strides with gaps)."""
+    if not efficient and is_non_overlapping_and_dense_or_false(t):
         return tuple(t.stride())
     return _sdpa_layout("flash", tuple(t.shape))
 
@@ -164,6 +168,7 @@ class _RemoteSDPA(torch.autograd.Function):
         # three of them and the heads' view backward copied them again, six copies a layer
         ctx.sequence_major = not _device._infer_as_cpu and out.dim() == 4 and \
             spec[1] == _sdpa_layout("flash", spec[0]) != _sdpa_layout("contiguous", spec[0])
+        ctx.efficient = q.dtype == torch.float32  # (the kernel a sequence-major float32 result came from)
         return out
 
     @staticmethod
@@ -173,7 +178,7 @@ class _RemoteSDPA(torch.autograd.Function):
         wanted = [q, k, v] + ([attn_mask] if ctx.mask_requires_grad else [])
         specs = _specs_like(*wanted)
         if ctx.sequence_major:
-            specs[:3] = [_device.output_spec(t.shape, _cuda_grad_layout(t), t.dtype) for t in wanted[:3]]
+            specs[:3] = [_device.output_spec(t.shape, _cuda_grad_layout(t, ctx.efficient), t.dtype) for t in wanted[:3]]
         else:
             grad_out = grad_out.contiguous()  # (a CPU node's kernels: what its layouts were measured with)
         grads = _device.submit_with_outputs(
