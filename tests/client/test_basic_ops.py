@@ -1,5 +1,7 @@
 """Everyday tensor work on the gpuwire device, compared with the same work on CPU."""
 
+import gc
+
 import pytest
 import torch
 
@@ -563,7 +565,8 @@ def test_data_assignment_moves_a_parameter_across_the_boundary_keeping_the_objec
 def test_torch_accelerator_memory_api_reports_the_devices_memory(device):
     # (a device backed from Python has no C++ DeviceAllocator: these asserted inside PyTorch)
     assert torch.accelerator.current_accelerator().type == "gpuwire"
-    gpuwire.synchronize()
+    gc.collect()
+    torch.accelerator.empty_cache()  # (frees what earlier tests left dead)
     before = torch.accelerator.memory_allocated()
     x = torch.empty(250_000, device=device)  # 1 MB
     assert torch.accelerator.memory_allocated() == before + 1_000_000 == torch.gpuwire.memory_allocated()
@@ -574,6 +577,7 @@ def test_torch_accelerator_memory_api_reports_the_devices_memory(device):
     del x
     torch.accelerator.empty_cache()
     torch.accelerator.reset_peak_memory_stats()
-    assert torch.accelerator.max_memory_allocated() == torch.accelerator.memory_allocated() == before
+    # (at most ``before``: a collection can free more that earlier tests left behind)
+    assert torch.accelerator.max_memory_allocated() == torch.accelerator.memory_allocated() <= before
     free, total = torch.accelerator.get_memory_info()
     assert total > 0 and 0 <= free <= total

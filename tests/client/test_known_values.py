@@ -197,3 +197,41 @@ def test_a_failure_on_the_node_makes_the_client_forget_what_it_knew(device):
     before = _round_trips()
     assert kept.tolist() == [True, False, True, True]
     assert _round_trips() == before + 1, "a value from before the failure was answered by the client"
+
+
+def test_a_full_table_keeps_a_mask_uploaded_a_moment_ago(device):
+    """The table of known values is bounded; full, it drops its oldest entries, not all of them:
+    emptied whole, the upload after the mask (the labels) dropped the mask's values before its
+    ``padding_mask.all()``, and one masked-BERT training step in ~230 read it from the node."""
+    from gpuwire.client import device as client_device
+    from gpuwire.client import mirror
+
+    rt = client_device.runtime()
+    bool(torch.ones(4, 16, dtype=torch.long).to(device).all())  # (the op's first call learns its layout)
+    kept = [torch.full((4,), i).to(device) for i in range(mirror.MAX_ENTRIES)]  # live: never freed
+    assert len(rt.mirror) >= mirror.MAX_ENTRIES - 1
+    while len(rt.mirror) >= mirror.MAX_ENTRIES:  # one entry short of full
+        rt.mirror.pop(next(iter(rt.mirror)))
+    host = torch.ones(4, 16, dtype=torch.long)
+    host[1, 10:] = 0
+    mask = host.to(device)
+    labels = torch.tensor([0, 1, 1, 0]).to(device)  # fills the table
+    before = _round_trips()
+    assert bool(mask.all()) is False
+    assert labels.tolist() == [0, 1, 1, 0]
+    assert _round_trips() == before, "the mask's values were dropped with the whole table"
+    del kept
+
+
+def test_freed_storages_leave_the_table(device):
+    from gpuwire.client import device as client_device
+
+    rt = client_device.runtime()
+    rt._collect_garbage()
+    before = len(rt.mirror)
+    for i in range(200):
+        t = torch.full((8,), i).to(device)
+        assert t.sum().item() == 8 * i  # known: no round trip, two entries
+        del t
+    rt._collect_garbage()
+    assert len(rt.mirror) <= before + 2

@@ -48,7 +48,7 @@ from ..pool.sizes import format_size
 from .errors import ConnectionLost, NodeUnreachable, RemoteError, out_of_memory_prefix, remote_error
 from .recovery import Recovery
 from . import wire
-from .mirror import forget_storages
+from .mirror import forget_freed, forget_storages
 from .wire import HostTensorArgument, host_tensors_by_value, refuse_host_tensors
 
 # an op's out declarations for the native kernels (``submit_native``): [storage id, then the
@@ -685,6 +685,8 @@ class Runtime:
             for sid in dead:
                 _free_weak_ref(live.pop(sid))
                 self.bytes_in_use -= live_bytes.pop(sid, 0)
+            if self.mirror or self.read_along:
+                forget_freed(self, dead)
             if self._dead is None:
                 self.enqueue(self.conn.send(Free(seq=self.next_seq(), storage_ids=dead)))
 
