@@ -83,6 +83,28 @@ def test_out_variants_with_data_dependent_or_unknown_sizes(device):
     torch.testing.assert_close(got.solution.cpu(), expected.solution)
 
 
+def test_out_tensors_a_sync_op_resizes_are_charged_as_they_grew(device):
+    """The kernel of a sync out= op resizes its out tensor on the node, growing the storage in
+    place: the session charged it at its old size and took its new size back when it was freed
+    (its bytes in use drifted below zero, and a later test counting them failed)."""
+    import gc
+
+    from gpuwire.client import device as client_device
+    rt = client_device.current_runtime()
+
+    def in_use():
+        gc.collect()
+        rt._collect_garbage()
+        return rt.query("memory")["bytes_in_use"]
+
+    before = in_use()
+    out = torch.empty(0, dtype=torch.long, device=device)
+    torch.nonzero(torch.tensor([0.0, 1.0, 0.0, 2.0, 3.0]).to(device), out=out)
+    assert in_use() >= before + out.numel() * out.element_size()
+    del out
+    assert in_use() == before
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int32])
 @pytest.mark.parametrize("zero_dim", [False, True])
 def test_numbers_for_tensor_arguments(device, dtype, zero_dim):

@@ -898,6 +898,10 @@ class Session:
             slots = _SYNC_NUMBER_LISTS[event.name] = _number_list_slots(fn)
         _refuse_tensors_as_number_lists(event.name, slots, event.args, event.kwargs)
         self._guard_allocation(event, fn)
+        # an out= tensor the kernel resizes (``nonzero(x, out=empty)``) grows its storage in place:
+        # charged as it was, its release took more than it had charged (-64 bytes a session)
+        args_storages = [(s, s.nbytes(), s.data_ptr()) for s in _tensor_storages(event.args, event.kwargs)
+                         if s.nbytes() == 0 or s.data_ptr() in self._live_ptrs]
         with self.rng.lock:
             self.rng.acquire(self)
             try:
@@ -906,8 +910,23 @@ class Session:
                 if self._device_index != -1 or not LOW_PRECISION_REFUSED.search(str(exc)):
                     raise
                 result = run_upcast(fn, event.args, event.kwargs)
+            finally:
+                self._charge_resized(args_storages)
         self.ops_run += 1
         return self._encode_result(result)
+
+    def _charge_resized(self, storages) -> None:
+        """Charge the growth (or credit the shrinking) of storages an op resized in place."""
+        for storage, nbytes, ptr in storages:
+            now = storage.nbytes()
+            if now == nbytes and (not now or storage.data_ptr() == ptr):
+                continue
+            self.bytes_in_use += now - nbytes
+            self.peak_bytes = max(self.peak_bytes, self.bytes_in_use)
+            if nbytes:
+                self._live_ptrs.discard(ptr)
+            if now:
+                self._live_ptrs.add(storage.data_ptr())
 
     def _encode_result(self, value):
         if isinstance(value, torch.Tensor):
@@ -1098,6 +1117,20 @@ def _number_list_slots(fn) -> tuple:
         if type_name.startswith("List[") and "Tensor" not in type_name:
             slots.append((index, argument.name))
     return tuple(slots)
+
+
+def _tensor_storages(args, kwargs) -> list:
+    """The distinct storages of the tensors among an op's arguments (lists of tensors included)."""
+    seen, storages = set(), []
+    for value in (*args, *kwargs.values()):
+        for t in (value if isinstance(value, (list, tuple)) else (value,)):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key not in seen:
+                    seen.add(key)
+                    storages.append(storage)
+    return storages
 
 
 _SYNC_NUMBER_LISTS: dict = {}  # CallSync op name -> its ``_number_list_slots`` (schemas do not change)
