@@ -150,8 +150,10 @@ def test_a_queued_command_waits_its_age_for_company_then_goes_with_the_next(devi
     flushes, queue_after = clocked_flushes
     flushes.clear()  # (the setup's own sends)
     rt = _rt()
-    age = rt._flush_age
-    assert age == runtime_module.FLUSH_AGE  # (unset GPUWIRE_FLUSH_AGE_US)
+    age = runtime_module.FLUSH_AGE  # GPUWIRE_FLUSH_AGE_US=200: a fixed age
+    monkeypatch.setattr(rt, "_flush_age", age)
+    monkeypatch.setattr(rt, "_flush_age_first", age)
+    monkeypatch.setattr(rt, "_flush_age_max", age)
 
     def op_after(seconds):
         queue_after(seconds, x)
@@ -173,18 +175,17 @@ def test_a_queued_command_waits_its_age_for_company_then_goes_with_the_next(devi
     assert torch.equal(x.cpu(), torch.full((4,), 9.0))
 
 
-def test_a_ramped_flush_age_starts_small_after_each_sync_point_and_doubles(device, monkeypatch, clocked_flushes):
-    # GPUWIRE_FLUSH_AGE_US=25:200: right after a sync point the node has nothing left to run,
-    # so the first commands go out soon; batches grow as the client gets ahead
+def test_the_flush_age_starts_small_after_each_sync_point_and_doubles(device, monkeypatch, clocked_flushes):
+    # the default (GPUWIRE_FLUSH_AGE_US=25:200): right after a sync point the node has nothing
+    # left to run, so the first commands go out soon; batches grow as the client gets ahead
     x = torch.ones(4, device=device)
     gpuwire.synchronize()
     flushes, queue_after = clocked_flushes
     rt = _rt()
-    monkeypatch.setattr(rt, "_flush_age_first", 25e-6)
-    monkeypatch.setattr(rt, "_flush_age_max", 200e-6)
+    assert (rt._flush_age_first, rt._flush_age_max) == (25e-6, 200e-6)  # (unset GPUWIRE_FLUSH_AGE_US)
     gpuwire.synchronize()  # (a sync point with nothing queued sends only its own frame)
     flushes.clear()
-    rt._flush_age = 25e-6
+    assert rt._flush_age == 25e-6
 
     def op_after(seconds):
         queue_after(seconds, x)
@@ -203,8 +204,7 @@ def test_a_ramped_flush_age_starts_small_after_each_sync_point_and_doubles(devic
 
 def test_the_flush_age_is_set_in_microseconds_and_a_bad_value_says_what_to_give(monkeypatch):
     monkeypatch.delenv("GPUWIRE_FLUSH_AGE_US", raising=False)
-    default = runtime_module.FLUSH_AGE
-    assert runtime_module.configured_flush_age() == (default, default)
+    assert runtime_module.configured_flush_age() == (25e-6, 200e-6)
     for text, expected in (("50", (50e-6, 50e-6)), ("0", (0.0, 0.0)), ("25:200", (25e-6, 200e-6))):
         monkeypatch.setenv("GPUWIRE_FLUSH_AGE_US", text)
         assert runtime_module.configured_flush_age() == pytest.approx(expected)

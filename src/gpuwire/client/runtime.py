@@ -66,21 +66,25 @@ FLUSH_OPS = 64
 FLUSH_BYTES = 1 << 20
 # a queued command waits at most this long (seconds) for company: sent with the next command
 # after it, so the node starts on a step's first (often largest) kernels while the client is
-# still dispatching the rest. Fixed by default: backing off to 800 us after each flush made for
-# age halved the socket writes per step, but in one interleaved run GPT-2 steps went 1.52x ->
-# 1.71x of local (the node starved between batches). ``GPUWIRE_FLUSH_AGE_US`` sets it, or a ramp
-# ("25:200": 25 us after each sync point, when the node has nothing left to run, doubling with
-# each flush made for age up to 200): a measurement's knob, since on an H100 the GPU idled
-# ~170-200 us before each attention kernel of a GPT-2 forward and 2.3 ms at a step's start
+# still dispatching the rest. The age starts at FLUSH_AGE_FIRST after each sync point, when the
+# node has nothing left to run, and doubles with each flush made for age up to FLUSH_AGE. A
+# fixed 200 us until session 23: on an H100 the GPU idled 170-200 us before each attention kernel
+# of a GPT-2 forward and 2.3 ms at a step's start; swept there (one run each, before the attention
+# fix) 200 / 50 / 0 / 25:200 us gave 104.5 / 104.2 / 104.1 / 103.0 ms a step, GPU idle 12.0 /
+# 11.5 / 12.0 / 10.9 ms; on this 2-core VM, alternated, GPT-2 generate 5.87 / 5.13 ms a token at
+# 200 against 5.79 / 4.67 at 25:200, and training steps within the VM's noise either way.
+# Backing off further (800 us) measured slower in session 12: the node starved between batches.
+# ``GPUWIRE_FLUSH_AGE_US`` sets it ("N": fixed; "START:MAX": a ramp)
+FLUSH_AGE_FIRST = 25e-6
 FLUSH_AGE = 200e-6
 
 
 def configured_flush_age() -> tuple[float, float]:
     """(age after a sync point, age it may double up to), in seconds, from ``GPUWIRE_FLUSH_AGE_US``
-    ("N", or "START:MAX"; 0 sends each command at once); unset, FLUSH_AGE for both."""
+    ("N", or "START:MAX"; 0 sends each command at once); unset, FLUSH_AGE_FIRST up to FLUSH_AGE."""
     text = os.environ.get("GPUWIRE_FLUSH_AGE_US", "").strip()
     if not text:
-        return FLUSH_AGE, FLUSH_AGE
+        return FLUSH_AGE_FIRST, FLUSH_AGE
     try:
         micros = [float(part) for part in text.split(":")]
     except ValueError:
@@ -89,7 +93,7 @@ def configured_flush_age() -> tuple[float, float]:
         raise ValueError(f"GPUWIRE_FLUSH_AGE_US={text!r}: give the microseconds a queued command may wait for "
                          f"company before it is sent, from 0 (send each at once) to 1000000, or START:MAX to "
                          f"start at START after each sync point and double up to MAX; unset, it is "
-                         f"{FLUSH_AGE * 1e6:.0f}")
+                         f"{FLUSH_AGE_FIRST * 1e6:.0f}:{FLUSH_AGE * 1e6:.0f}")
     return micros[0] * 1e-6, micros[-1] * 1e-6
 
 
