@@ -168,7 +168,6 @@ class _RemoteSDPA(torch.autograd.Function):
         # three of them and the heads' view backward copied them again, six copies a layer
         ctx.sequence_major = not _device._infer_as_cpu and out.dim() == 4 and \
             spec[1] == _sdpa_layout("flash", spec[0]) != _sdpa_layout("contiguous", spec[0])
-        ctx.efficient = q.dtype == torch.float32  # (the kernel a sequence-major float32 result came from)
         return out
 
     @staticmethod
@@ -178,7 +177,8 @@ class _RemoteSDPA(torch.autograd.Function):
         wanted = [q, k, v] + ([attn_mask] if ctx.mask_requires_grad else [])
         specs = _specs_like(*wanted)
         if ctx.sequence_major:
-            specs[:3] = [_device.output_spec(t.shape, _cuda_grad_layout(t, ctx.efficient), t.dtype) for t in wanted[:3]]
+            efficient = q.dtype == torch.float32  # (the kernel a sequence-major float32 result came from)
+            specs[:3] = [_device.output_spec(t.shape, _cuda_grad_layout(t, efficient), t.dtype) for t in wanted[:3]]
         else:
             grad_out = grad_out.contiguous()  # (a CPU node's kernels: what its layouts were measured with)
         grads = _device.submit_with_outputs(

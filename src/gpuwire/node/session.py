@@ -1122,14 +1122,11 @@ def _number_list_slots(fn) -> tuple:
 def _tensor_storages(args, kwargs) -> list:
     """The distinct storages of the tensors among an op's arguments (lists of tensors included)."""
     seen, storages = set(), []
-    for value in (*args, *kwargs.values()):
-        for t in (value if isinstance(value, (list, tuple)) else (value,)):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage._cdata
-                if key not in seen:
-                    seen.add(key)
-                    storages.append(storage)
+    for t in tensor_leaves([args, list(kwargs.values())]):
+        storage = t.untyped_storage()
+        if storage._cdata not in seen:
+            seen.add(storage._cdata)
+            storages.append(storage)
     return storages
 
 
