@@ -350,6 +350,19 @@ def checkpoint():
 
 
 check("torch.save/torch.load(map_location='cuda')", checkpoint)
+
+
+def checkpoint_mapped_by_storage():
+    # older scripts: map_location=lambda storage, loc: storage.cuda()
+    path = os.path.join(tempfile.mkdtemp(), "m.pt")
+    torch.save({"w": torch.arange(4.0)}, path)
+    loaded = [torch.load(path, map_location=lambda storage, loc: storage.cuda())["w"],
+              torch.load(path, map_location=lambda storage, loc: storage.cuda(0))["w"]]
+    moved = torch.UntypedStorage(8).cuda()
+    return [str(w.device) for w in loaded] + [w.tolist() for w in loaded] + [moved.device.type, moved.nbytes()]
+
+
+check("torch.load(map_location=lambda storage, loc: storage.cuda())", checkpoint_mapped_by_storage)
 check("nn.DataParallel", lambda: torch.nn.DataParallel(torch.nn.Linear(4, 4)).cuda()(torch.randn(2, 4)).shape[0])
 check("torch.cuda.graphs", lambda: torch.cuda.CUDAGraph())
 check("torch.compile", lambda: torch.compile(torch.nn.Linear(2, 2).cuda())(torch.ones(1, 2, device="cuda")).shape[1])

@@ -27,7 +27,8 @@ WORKS = ["is_available", "device_count", "get_device_name", "get_device_properti
          "autocast('cuda')", "autocast('cuda', dtype=torch.float32)", "nn.LSTM on cuda (no cuDNN warning)", "torch.profiler with ProfilerActivity.CUDA", "Tensor.record_stream", "torch functions that make tensors on the input's device",
          "custom autograd.Function backward making cuda tensors", "flex_attention (eager)",
          "sync debug mode and memory history", "RNNs under autocast", "out of memory as libraries see it",
-         "GradScaler('cuda')", "torch.save/torch.load(map_location='cuda')", "torch.compile", "nn.DataParallel",
+         "GradScaler('cuda')", "torch.save/torch.load(map_location='cuda')",
+         "torch.load(map_location=lambda storage, loc: storage.cuda())", "torch.compile", "nn.DataParallel",
          "torch.accelerator", "torch.cuda.nvtx", "Generator(device='cuda')", "torch.cuda.FloatTensor and friends",
          "set_per_process_memory_fraction", "torch.cuda.device / device_of / StreamContext",
          "is_current_stream_capturing", "can_device_access_peer / get_allocator_backend",
@@ -55,3 +56,12 @@ def test_reported_values(results):
 def test_cuda_graphs_fail_with_a_clear_message(results):
     assert not results["torch.cuda.graphs"]["ok"]
     assert "not supported by gpuwire" in results["torch.cuda.graphs"]["error"]
+
+
+def test_storage_cuda_in_map_location_loads_onto_the_remote_gpu(results):
+    """``torch.load(path, map_location=lambda storage, loc: storage.cuda())`` (older scripts)
+    reached ``torch.UntypedStorage(n, device="cuda")``, which PyTorch refused on a machine
+    without CUDA: the tensors load onto the remote GPU with their values."""
+    value = results["torch.load(map_location=lambda storage, loc: storage.cuda())"]
+    assert value["ok"], value
+    assert value["value"] == ["cuda:0", "cuda:0", [0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0], "gpuwire", 8]

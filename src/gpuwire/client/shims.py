@@ -8,7 +8,8 @@ original behaviour for everything that is not the gpuwire device, and says why i
   objects would silently untie tied weights, e.g. GPT-2's embedding and LM head).
 * ``torch.UntypedStorage(n, device="gpuwire")`` (used by ``storage.to``, hence by
   ``torch.load(map_location=...)``) crashes in C++ for a Python backend with no allocator;
-  it is routed to a remote allocation.
+  it is routed to a remote allocation (``device="cuda"`` too under CUDA compatibility:
+  ``storage.cuda()``).
 * ``UntypedStorage.resize_`` (FSDP frees and re-allocates its flat parameters' storages so)
   needs a C++ hook a Python backend cannot provide; a remote storage moves to a fresh remote
   allocation of the new size, keeping its leading bytes, under the same storage object.
@@ -106,11 +107,24 @@ def _target_cuda(device=None, *args, **kwargs):
     return torch.device("cuda")
 
 
+def _cuda_compat():
+    from . import cuda_compat
+    return cuda_compat
+
+
+def _cuda_means_gpuwire() -> bool:
+    return _cuda_compat().enabled()
+
+
 def _patch_untyped_storage() -> None:
     original_new = torch.UntypedStorage.__new__
 
     def __new__(cls, *args, **kwargs):
         device = kwargs.get("device")
+        if device is not None and _cuda_means_gpuwire():
+            # ``storage.cuda()`` / ``storage.to(device="cuda")``, hence ``torch.load(...,
+            # map_location=lambda storage, loc: storage.cuda())`` of older scripts
+            device = kwargs["device"] = _cuda_compat()._map_device(device)
         if device is not None and torch.device(device).type == DEVICE_TYPE:
             from . import device as _device
             if args and not isinstance(args[0], int):
