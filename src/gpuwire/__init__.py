@@ -89,8 +89,16 @@ def _started_as_the_cli() -> bool:
     import os
     import sys
     argv = getattr(sys, "orig_argv", None) or sys.argv
-    if any(arg == "-m" for arg in argv[1:2]) and argv[2:3] == ["gpuwire"]:
-        return True
+    i = 1
+    while i < len(argv):  # ``python [-X importtime -u ...] -m gpuwire``
+        arg = argv[i]
+        if arg == "-m":
+            if argv[i + 1:i + 2] == ["gpuwire"]:
+                return True
+            break
+        if not arg.startswith("-") or arg == "-c":
+            break
+        i += 2 if arg in ("-X", "-W") else 1
     return bool(sys.argv) and os.path.basename(sys.argv[0]) in ("gpuwire", "gpuwire.exe") and "torch" not in sys.modules
 
 

@@ -218,10 +218,9 @@ def run(argv: list[str], *, node: str | None, token: str | None, cuda_compat: bo
             embedded_module.wait_for_embedded_node(*starting)
             info = {"name": embedded_module.started_name(), "software": True}
         else:
-            from .client.runtime import Runtime
-            probe = Runtime(node, token=token)
-            info = probe.device_info
-            probe.close()
+            from .client.probe import NodeProbe  # (not the runtime: it imports torch, 2-3 s here)
+            with NodeProbe(node, token=token) as probe:
+                info = dict(probe.welcome.device)
     except (GpuwireError, ValueError, embedded_module.EmbeddedNodeFailed) as exc:
         what = "could not start an embedded node: " if isinstance(exc, embedded_module.EmbeddedNodeFailed) else ""
         print(f"gpuwire run: {what}{exc}", file=sys.stderr)

@@ -40,13 +40,10 @@ class SmiError(Exception):
 
 
 def fetch(address: str, token: str | None) -> tuple[dict, str]:
-    from .client.runtime import Runtime
-    rt = Runtime(address, token=token)
-    try:
-        info = rt.query("node")
-        own = rt.session_id
-    finally:
-        rt.close()
+    from .client.probe import NodeProbe  # (not the runtime: it imports torch, 2-3 s a call)
+    with NodeProbe(address, token=token) as probe:
+        info = probe.query("node")
+        own = probe.welcome.session_id
     info["sessions"] = [s for s in info["sessions"] if s["id"] != own]
     return info, own
 

@@ -428,6 +428,28 @@ def test_cli_commands_that_need_no_torch_do_not_import_it():
     assert "gpuwire.cli" in imported and "torch" not in imported
 
 
+def _launcher_imports(*args) -> tuple[subprocess.CompletedProcess, set]:
+    """``python -X importtime -m gpuwire ARGS``: the result and the modules that process (not its
+    children: the option is not inherited) imported."""
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "gpuwire", *args], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    return done, {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+
+
+def test_run_and_smi_ask_the_node_without_importing_torch(node):
+    # `gpuwire run --node` checked the node through the client runtime, which imports torch: 2-3 s
+    # on this machine before the program (which imports torch itself) even started; so did
+    # `gpuwire smi` and the nvidia-smi stand-in, on every call
+    done, imported = _launcher_imports("run", "-q", "--node", node.address, "--", "true")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "gpuwire.client.probe" in imported and "torch" not in imported
+    done, imported = _launcher_imports("smi", "--node", node.address)
+    assert done.returncode == 0 and "gpuwire" in done.stdout, done.stderr[-2000:]
+    assert "torch" not in imported
+    listed = gpuwire("run", "-q", "--node", node.address, "--", "nvidia-smi", "-L")
+    assert listed.returncode == 0 and listed.stdout.startswith("GPU 0: "), listed.stderr
+
+
 FAILING_EMBEDDED_NODE = textwrap.dedent('''
     import subprocess, sys
     from gpuwire.client import embedded

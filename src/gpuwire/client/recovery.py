@@ -308,7 +308,7 @@ class Recovery:
     def _open(self, address: str, token: str | None, *, resume: dict | None = None):
         """Connect and handshake; on success the runtime talks to the new connection."""
         from ..security.tls import client_context_from_env
-        from .runtime import parse_address
+        from .probe import parse_address
 
         rt = self.rt
         host, port = parse_address(address)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import os
 import socket
-import ssl
 import sys
 import threading
 import time
@@ -22,8 +21,8 @@ import msgpack
 import torch
 
 from .. import __version__
-from .._io import dial, send_parts
-from ..protocol import CLOSED, NEED_DATA, Connection, ProtocolError, Role, VersionMismatch
+from .._io import send_parts
+from ..protocol import CLOSED, NEED_DATA, Connection, ProtocolError, Role
 from ..protocol.events import (
     Alloc,
     CallSync,
@@ -35,7 +34,6 @@ from ..protocol.events import (
     Notice,
     Query,
     Read,
-    Reject,
     Result,
     Seed,
     SetRngState,
@@ -45,10 +43,11 @@ from ..protocol.events import (
     Write,
 )
 from ..pool.sizes import format_size
-from .errors import ConnectionLost, NodeUnreachable, RemoteError, out_of_memory_prefix, remote_error
+from .errors import ConnectionLost, RemoteError, out_of_memory_prefix, remote_error
 from .recovery import Recovery
 from . import wire
 from .mirror import forget_freed, forget_storages
+from .probe import connect_timeout_from_env, dial_node, handshake, parse_address
 from .wire import HostTensorArgument, host_tensors_by_value, refuse_host_tensors
 
 # an op's out declarations for the native kernels (``submit_native``): [storage id, then the
@@ -120,29 +119,11 @@ class StorageRef(int):
         _free_weak_ref(self)
 
 
-def parse_address(address: str, default_port: int = 7070) -> tuple[str, int]:
-    text = address.strip()
-    for prefix in ("gpuwire://", "tcp://"):
-        if text.startswith(prefix):
-            text = text[len(prefix):]
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port = rest.lstrip(":") or str(default_port)
-    elif text.count(":") == 1:
-        host, port = text.split(":")
-    else:
-        host, port = text, str(default_port)
-    try:
-        return host or "127.0.0.1", int(port)
-    except ValueError:
-        raise ValueError(f"invalid node address {address!r}: expected HOST:PORT, e.g. 127.0.0.1:7070") from None
-
-
 class Runtime:
     def __init__(self, address: str, *, token: str | None = None, connect_timeout: float | None = None,
                  reply_timeout: float | None = None):
         if connect_timeout is None:
-            connect_timeout = float(os.environ.get("GPUWIRE_CONNECT_TIMEOUT", "10"))
+            connect_timeout = connect_timeout_from_env()
         self.address = address
         self.host, self.port = parse_address(address)
         self.tls = False
@@ -200,47 +181,12 @@ class Runtime:
     # ------------------------------------------------------------ connection
 
     def _connect(self, timeout: float) -> socket.socket:
-        from ..security.tls import TLSConfigError, client_context_from_env
-        try:
-            tls = client_context_from_env()
-        except TLSConfigError as exc:
-            raise NodeUnreachable(str(exc)) from None
-        try:
-            sock = dial(self.host, self.port, timeout, tls)
-            self.tls = tls is not None
-        except ssl.SSLCertVerificationError as exc:
-            raise NodeUnreachable(f"the TLS certificate of {self.address} is not trusted: {exc.verify_message}; "
-                                  "check GPUWIRE_TLS_CA names the CA that signed the node's certificate") from None
-        except ssl.SSLError as exc:
-            raise NodeUnreachable(f"TLS with {self.address} failed: {exc.reason or exc}; is the node serving TLS, "
-                                  "and does it require a client certificate (GPUWIRE_TLS_CERT/KEY)?") from None
-        except socket.timeout:
-            raise NodeUnreachable(f"no gpuwire node answered at {self.address} within {timeout:g} s; "
-                                  "check the address (GPUWIRE_NODE) and that `gpuwire serve` runs there") from None
-        except OSError as exc:
-            raise NodeUnreachable(f"cannot connect to a gpuwire node at {self.address}: {exc.strerror or exc}; "
-                                  "start one with `gpuwire serve` or fix GPUWIRE_NODE") from None
+        sock, self.tls = dial_node(self.address, timeout)
         return sock
 
     def _handshake(self, token: str | None, timeout: float) -> None:
-        self._sock.settimeout(timeout)
-        try:
-            self._sock.sendall(self.conn.send(self._hello(token)))
-            event = self._next_event()
-        except (socket.timeout, TimeoutError):
-            self._sock.close()
-            raise NodeUnreachable(f"{self.address} accepted the connection but did not answer the gpuwire "
-                                  f"handshake within {timeout:g} s; is it a gpuwire node?") from None
-        except (ProtocolError, ConnectionLost, OSError) as exc:
-            self._sock.close()
-            if isinstance(exc, VersionMismatch):
-                raise NodeUnreachable(str(exc)) from None
-            hint = "" if self.tls else " (if the node serves TLS, set GPUWIRE_TLS_CA)"
-            raise NodeUnreachable(f"{self.address} is not a gpuwire node (or speaks another protocol){hint}: {exc}") from None
-        if isinstance(event, Reject):
-            self._sock.close()
-            raise NodeUnreachable(f"node {self.address} refused the session: {event.reason}")
-        self.adopt_welcome(event)
+        self.adopt_welcome(handshake(self._sock, self.conn, self._hello(token), self.address, self.tls, timeout,
+                                     self._next_event))
         self._sock.settimeout(None)
 
     def adopt_welcome(self, welcome: Welcome) -> None:

@@ -34,7 +34,7 @@ class MigrationError(Exception):
 def check_target(session, address: str, token: str | None) -> None:
     """Refuse a move anywhere but to the node a pool-signed token for this session's own lease
     names: otherwise a client could make a node push a session's memory to any host."""
-    from ..client.runtime import parse_address
+    from ..client.probe import parse_address
 
     verifier = getattr(session, "token_verifier", None)
     any_node = getattr(verifier, "any_node", None)
@@ -57,7 +57,7 @@ def check_target(session, address: str, token: str | None) -> None:
 
 
 def push_session(session, address: str, token: str | None, *, tls_context=None, timeout: float = 30.0) -> dict:
-    from ..client.runtime import parse_address
+    from ..client.probe import parse_address
 
     check_target(session, address, token)
     host, port = parse_address(address)

@@ -758,7 +758,7 @@ def _answers(address: str, timeout: float = 1.0) -> bool:
     """Whether something accepts TCP connections at a node's address (the pool's own check of
     a client's report that the node is gone)."""
     import socket
-    from ..client.runtime import parse_address
+    from ..client.probe import parse_address
     try:
         with socket.create_connection(parse_address(address), timeout=timeout):
             return True
