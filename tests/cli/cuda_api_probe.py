@@ -515,4 +515,23 @@ def numpy_of_a_cuda_tensor_refused_as_cuda():
 
 
 check("numpy() of a cuda tensor refused as CUDA does", numpy_of_a_cuda_tensor_refused_as_cuda)
+
+
+def default_tensor_type_cuda():
+    # 2018-era scripts: torch.set_default_tensor_type('torch.cuda.FloatTensor'); it raised
+    import warnings
+    warnings.simplefilter("ignore")  # (PyTorch deprecates the function)
+    torch.set_default_tensor_type("torch.cuda.FloatTensor")
+    try:
+        made = [torch.zeros(2), torch.Tensor([1.5, 2.5]), torch.Tensor(2, 3), torch.nn.Linear(2, 2).weight,
+                torch.FloatTensor([1.0])]
+        seen = [str(t.device) for t in made] + [made[1].tolist(), list(made[2].shape)]
+        torch.set_default_tensor_type(torch.cuda.DoubleTensor)
+        seen += [str(torch.ones(1).dtype), str(torch.Tensor([1]).device)]
+    finally:
+        torch.set_default_tensor_type("torch.FloatTensor")
+    return seen + [str(torch.zeros(1).device), str(torch.Tensor([1]).device), str(torch.get_default_dtype())]
+
+
+check("set_default_tensor_type('torch.cuda.FloatTensor')", default_tensor_type_cuda)
 print("RESULTS " + json.dumps(results))

@@ -28,7 +28,8 @@ WORKS = ["is_available", "device_count", "get_device_name", "get_device_properti
          "custom autograd.Function backward making cuda tensors", "flex_attention (eager)",
          "sync debug mode and memory history", "RNNs under autocast", "out of memory as libraries see it",
          "GradScaler('cuda')", "torch.save/torch.load(map_location='cuda')",
-         "torch.load(map_location=lambda storage, loc: storage.cuda())", "torch.compile", "nn.DataParallel",
+         "torch.load(map_location=lambda storage, loc: storage.cuda())",
+         "set_default_tensor_type('torch.cuda.FloatTensor')", "torch.compile", "nn.DataParallel",
          "torch.accelerator", "torch.cuda.nvtx", "Generator(device='cuda')", "torch.cuda.FloatTensor and friends",
          "set_per_process_memory_fraction", "torch.cuda.device / device_of / StreamContext",
          "is_current_stream_capturing", "can_device_access_peer / get_allocator_backend",
@@ -65,3 +66,13 @@ def test_storage_cuda_in_map_location_loads_onto_the_remote_gpu(results):
     value = results["torch.load(map_location=lambda storage, loc: storage.cuda())"]
     assert value["ok"], value
     assert value["value"] == ["cuda:0", "cuda:0", [0.0, 1.0, 2.0, 3.0], [0.0, 1.0, 2.0, 3.0], "gpuwire", 8]
+
+
+def test_default_tensor_type_cuda_puts_new_tensors_on_the_remote_gpu(results):
+    """``torch.set_default_tensor_type('torch.cuda.FloatTensor')`` raised ("only floating-point
+    types"): factories, ``torch.Tensor(...)`` and modules make cuda tensors as on a CUDA machine
+    (``torch.FloatTensor`` stays the CPU type there too); a CPU type puts it back."""
+    value = results["set_default_tensor_type('torch.cuda.FloatTensor')"]
+    assert value["ok"], value
+    assert value["value"] == ["cuda:0", "cuda:0", "cuda:0", "cuda:0", "cpu", [1.5, 2.5], [2, 3],
+                              "torch.float64", "cuda:0", "cpu", "cpu", "torch.float32"]

@@ -97,3 +97,39 @@ def test_deterministic_and_cudnn_flags_reach_the_node(device):
         torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
         torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved[2], saved[3]
     assert _node_flags() == math_mode()
+
+
+FACTORIES = {
+    "ones": lambda d: torch.ones(3, device=d), "full": lambda d: torch.full((3,), 1 / 3, device=d),
+    "arange": lambda d: torch.arange(0.0, 1.0, 0.1, device=d), "linspace": lambda d: torch.linspace(0, 1, 7, device=d),
+    "eye": lambda d: torch.eye(3, device=d), "tensor": lambda d: torch.tensor([1 / 3, 2.5], device=d),
+    "randn": lambda d: (torch.manual_seed(5), torch.randn(5, device=d))[1],
+    "rand": lambda d: (torch.manual_seed(6), torch.rand(5, device=d))[1],
+    "from a scalar": lambda d: torch.ones(2, device=d) * (1 / 3),
+}
+
+
+def test_the_default_dtype_reaches_the_node_and_stays_in_its_session(node, device):
+    """``torch.set_default_dtype(torch.float64)``: factories without a dtype ran on the node with
+    its own default, float32, and came back as float64 rounded through float32 (``full(1/3)``:
+    0.3333333432674408); a factory called before the change kept answering float32."""
+    learned = {name: make(device) for name, make in FACTORIES.items()}  # layouts learned under float32
+    assert all(t.dtype == torch.float32 for t in learned.values())
+    try:
+        torch.set_default_dtype(torch.float64)
+        assert _node_flags()["default_dtype"] == "float64"
+        for name, make in FACTORIES.items():
+            remote, local = make(device), make("cpu")
+            assert remote.dtype == local.dtype == torch.float64, name
+            assert torch.equal(remote.cpu(), local), name
+        env = {k: v for k, v in os.environ.items() if k != "GPUWIRE_NODE"}
+        other = subprocess.run([sys.executable, "-c", OTHER_SESSION, node.address], capture_output=True, text=True,
+                               timeout=120, env=env)
+        assert other.returncode == 0, other.stderr[-3000:]
+        assert "'default_dtype': 'float32'" in other.stdout  # another tenant keeps the node's default
+        torch.set_default_tensor_type(torch.FloatTensor)  # (the older API sets it too)
+        assert _node_flags()["default_dtype"] == "float32"
+        assert FACTORIES["full"](device).dtype == torch.float32
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert _node_flags()["default_dtype"] == "float32"

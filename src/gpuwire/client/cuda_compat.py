@@ -350,6 +350,45 @@ def _patch_legacy_types() -> None:
     torch.Tensor.type = tensor_type
 
 
+def _patch_default_tensor_type() -> None:
+    """``torch.set_default_tensor_type(torch.cuda.FloatTensor)`` (or its string; 2018-era scripts
+    start so) raised "only floating-point types are supported", the CUDA types being gpuwire's
+    stand-ins: it sets the default dtype and makes the remote GPU the default device, as on a CUDA
+    machine; a CPU type afterwards puts both back."""
+    original = torch.set_default_tensor_type
+    cpu_name = {dtype: f"torch.{name}" for name, dtype in _LEGACY_TYPES.items()}
+    tensor_new = torch.Tensor.__new__
+    on_gpu = [False]
+
+    def legacy_constructor(cls, *args, **kwargs):
+        # ``torch.Tensor(3, 4)`` / ``torch.Tensor([1, 2])`` follow the default tensor type, which
+        # ``set_default_device`` does not reach (a type call, not a torch function)
+        made = tensor_new(cls, *args, **kwargs)
+        if (cls is torch.Tensor and on_gpu[0] and made.is_cpu and "device" not in kwargs
+                and not (len(args) == 1 and isinstance(args[0], torch.Tensor))):  # (an alias stays one)
+            return made.to(GPUWIRE)
+        return made
+
+    @functools.wraps(original)
+    def set_default_tensor_type(t):
+        legacy = t
+        if isinstance(t, str) and t.startswith("torch.cuda."):
+            legacy = getattr(torch.cuda, t[len("torch.cuda."):], t)
+        if isinstance(legacy, _LegacyTypeMeta):
+            original(cpu_name[legacy.dtype])  # (the default dtype, and PyTorch's check that it floats)
+            torch.set_default_device(GPUWIRE)
+            torch.Tensor.__new__ = staticmethod(legacy_constructor)
+            on_gpu[0] = True
+            return
+        original(t)
+        if on_gpu[0]:
+            torch.set_default_device(None)
+            torch.Tensor.__new__ = tensor_new
+            on_gpu[0] = False
+
+    torch.set_default_tensor_type = set_default_tensor_type
+
+
 def _patch_nvtx() -> None:
     """NVTX ranges annotate a local CUDA profile; there is none here, so they do nothing."""
     nvtx = torch.cuda.nvtx
@@ -727,6 +766,7 @@ def enable() -> None:
     _patch_tensor_device()
     _patch_saved_tensor_hooks()
     _patch_legacy_types()
+    _patch_default_tensor_type()
     _patch_nvtx()
     _patch_autocast()
     _patch_serialization()

@@ -125,6 +125,12 @@ def infer_as_cpu(as_cpu: bool) -> None:
     if as_cpu == _infer_as_cpu:
         return
     _infer_as_cpu = as_cpu
+    forget_learned_layouts()
+
+
+def forget_learned_layouts() -> None:
+    """Forget every result layout learned so far (the device type changed, or the default
+    dtype, which a factory without a dtype answers with)."""
     _PLANS.clear()
     if native.module is not None:
         native.module.clear_op_caches()

@@ -1,5 +1,6 @@
 """Math-mode flags follow the program to the node: TF32, float32 matmul precision,
-reduced-precision reductions, deterministic algorithms and cuDNN's benchmark/deterministic.
+reduced-precision reductions, deterministic algorithms, cuDNN's benchmark/deterministic, and
+the default dtype.
 
 Sits beside ``client.device``. ``torch.backends.cuda.matmul.allow_tf32 = True``,
 ``torch.set_float32_matmul_precision("high")``, ``torch.backends.cudnn.allow_tf32``,
@@ -37,6 +38,11 @@ SETTERS = (
     "_set_deterministic_algorithms",
     "_set_cudnn_benchmark", "_set_cudnn_deterministic", "_set_cudnn_enabled",
     "_set_deterministic_fill_uninitialized_memory",
+    # the default dtype: factories without a dtype (``torch.ones``, ``randn``, ``full``,
+    # ``arange`` of floats ...) run on the node with its own, which was float32 whatever the
+    # program set: float64 values came back rounded through float32. Recorded as its name;
+    # ``_set_default_tensor_type`` (``torch.set_default_tensor_type``) records it too.
+    "_set_default_dtype", "_set_default_tensor_type",
 )
 
 _calls: dict[tuple, list] = {}  # flag -> [setter, *args] of its last setting, oldest first
@@ -91,6 +97,11 @@ def install() -> None:
             result = _original(*args, **kwargs)  # torch validates the values, and raises, here
             if _name == "_set_deterministic_algorithms":
                 args = (bool(args[0]), bool(kwargs.get("warn_only", False)))
+            elif _name in ("_set_default_dtype", "_set_default_tensor_type"):
+                _name, args = "_set_default_dtype", (str(torch.get_default_dtype()).removeprefix("torch."),)
+                if _calls.get((_name,), [None, "float32"])[1:] != list(args):
+                    from . import device as _device
+                    _device.forget_learned_layouts()  # (learned under the other default dtype)
             if all(type(a) in (bool, str) for a in args) and len(args) <= 3:
                 _record(_name, args)
             return result

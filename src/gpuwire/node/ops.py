@@ -145,12 +145,19 @@ PRECISION_SETTERS = frozenset({
     "_set_cpu_allow_fp16_reduced_precision_reduction", "_set_fp32_precision_setter",
     "_set_cudnn_benchmark", "_set_cudnn_deterministic", "_set_cudnn_enabled",
     "_set_deterministic_algorithms", "_set_deterministic_fill_uninitialized_memory",
+    "_set_default_dtype",  # (by name: the dtype of factories given none)
 })
+DEFAULT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                  "float64": torch.float64}
 
 
 def _call_setter(name: str, args) -> None:
     if name == "_set_deterministic_algorithms":  # (mode, warn_only): its second is keyword-only
         getattr(torch._C, name)(args[0], warn_only=bool(args[1]) if len(args) > 1 else False)
+    elif name == "_set_default_dtype":
+        if not args or args[0] not in DEFAULT_DTYPES:
+            raise ValueError(f"gpuwire::precision: the default dtype must be one of {', '.join(DEFAULT_DTYPES)}")
+        torch._C._set_default_dtype(DEFAULT_DTYPES[args[0]])
     else:
         getattr(torch._C, name)(*args)
 
@@ -169,7 +176,8 @@ def _precision_defaults() -> tuple:
     calls += [("_set_cudnn_benchmark", c._get_cudnn_benchmark()), ("_set_cudnn_deterministic", c._get_cudnn_deterministic()),
               ("_set_cudnn_enabled", c._get_cudnn_enabled()),
               ("_set_deterministic_algorithms", c._get_deterministic_algorithms(), c._get_deterministic_algorithms_warn_only()),
-              ("_set_deterministic_fill_uninitialized_memory", c._get_deterministic_fill_uninitialized_memory())]
+              ("_set_deterministic_fill_uninitialized_memory", c._get_deterministic_fill_uninitialized_memory()),
+              ("_set_default_dtype", str(torch.get_default_dtype()).removeprefix("torch."))]
     if hasattr(c, "_get_fp32_precision_getter"):
         for backend in ("generic", "cuda", "mkldnn"):
             for op in ("all", "matmul", "conv", "rnn"):
@@ -203,7 +211,8 @@ def math_mode() -> dict:
                "cudnn.benchmark": c._get_cudnn_benchmark, "cudnn.deterministic": c._get_cudnn_deterministic,
                "cudnn.enabled": c._get_cudnn_enabled, "deterministic_algorithms": c._get_deterministic_algorithms,
                "deterministic_algorithms_warn_only": c._get_deterministic_algorithms_warn_only,
-               "fill_uninitialized_memory": c._get_deterministic_fill_uninitialized_memory}
+               "fill_uninitialized_memory": c._get_deterministic_fill_uninitialized_memory,
+               "default_dtype": lambda: str(torch.get_default_dtype()).removeprefix("torch.")}
     if hasattr(c, "_get_fp32_precision_getter"):
         for backend, op in (("cuda", "matmul"), ("cuda", "conv"), ("mkldnn", "matmul"), ("mkldnn", "conv")):
             getters[f"{backend}.{op}.fp32_precision"] = functools.partial(c._get_fp32_precision_getter, backend, op)
