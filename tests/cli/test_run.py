@@ -478,3 +478,21 @@ def test_run_when_the_embedded_node_fails_stops_the_program_and_says_so(tmp_path
     assert "exit code 2" in done.stdout, done.stdout + done.stderr
     assert "could not start an embedded node" in done.stderr
     assert time.monotonic() - started < 25 and not marker.exists()
+
+
+def test_a_2018_style_script_with_cuda_as_the_default_tensor_type(node, tmp_path):
+    # set_default_tensor_type('torch.cuda.FloatTensor') raised; then its first version broke the
+    # first backward (dynamo, imported lazily there, checks Tensor.__new__ against its own rule)
+    script = tmp_path / "old.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        torch.set_default_tensor_type('torch.cuda.FloatTensor')
+        torch.manual_seed(0)
+        w = torch.zeros(5, requires_grad=True)
+        x = torch.Tensor([[1, 2, 3, 4, 5]])
+        (x @ w * 2).sum().backward()
+        print(w.device, x.device, w.grad.tolist())
+    """))
+    done = gpuwire("run", "-q", "--node", node.address, "--", sys.executable, str(script))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[0] == "cuda:0 cuda:0 [2.0, 4.0, 6.0, 8.0, 10.0]"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import threading
 import time
@@ -377,6 +378,9 @@ def _patch_default_tensor_type() -> None:
         if isinstance(legacy, _LegacyTypeMeta):
             original(cpu_name[legacy.dtype])  # (the default dtype, and PyTorch's check that it floats)
             torch.set_default_device(GPUWIRE)
+            # dynamo checks ``Tensor.__new__`` against its own rule when it is imported (gpuwire's
+            # layout inference imports it at the first op of some kinds): it must see the original
+            importlib.import_module("torch._dynamo")
             torch.Tensor.__new__ = staticmethod(legacy_constructor)
             on_gpu[0] = True
             return
