@@ -363,6 +363,22 @@ def checkpoint_mapped_by_storage():
 
 
 check("torch.load(map_location=lambda storage, loc: storage.cuda())", checkpoint_mapped_by_storage)
+
+
+def saved_as_cuda():
+    # what a program saves from its cuda tensors is tagged cuda:0, as on a CUDA machine (it was
+    # gpuwire:0: nothing without gpuwire could load it); TorchScript loads with map_location="cuda"
+    path = os.path.join(tempfile.mkdtemp(), "m.pt")
+    weight = torch.nn.Linear(2, 2).cuda().weight.detach()
+    torch.save({"w": weight}, path)
+    scripted = os.path.join(os.path.dirname(path), "s.pt")
+    torch.jit.script(torch.nn.Linear(2, 2)).save(scripted)
+    loaded = torch.jit.load(scripted, map_location="cuda")
+    return [torch.serialization.location_tag(weight.untyped_storage()), str(torch.load(path)["w"].device),
+            torch.equal(torch.load(path)["w"].cpu(), weight.cpu()), str(next(loaded.parameters()).device)]
+
+
+check("torch.save tags cuda:0; torch.jit.load(map_location='cuda')", saved_as_cuda)
 check("nn.DataParallel", lambda: torch.nn.DataParallel(torch.nn.Linear(4, 4)).cuda()(torch.randn(2, 4)).shape[0])
 check("torch.cuda.graphs", lambda: torch.cuda.CUDAGraph())
 check("torch.compile", lambda: torch.compile(torch.nn.Linear(2, 2).cuda())(torch.ones(1, 2, device="cuda")).shape[1])

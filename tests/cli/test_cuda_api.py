@@ -29,7 +29,8 @@ WORKS = ["is_available", "device_count", "get_device_name", "get_device_properti
          "sync debug mode and memory history", "RNNs under autocast", "out of memory as libraries see it",
          "GradScaler('cuda')", "torch.save/torch.load(map_location='cuda')",
          "torch.load(map_location=lambda storage, loc: storage.cuda())",
-         "set_default_tensor_type('torch.cuda.FloatTensor')", "torch.compile", "nn.DataParallel",
+         "set_default_tensor_type('torch.cuda.FloatTensor')",
+         "torch.save tags cuda:0; torch.jit.load(map_location='cuda')", "torch.compile", "nn.DataParallel",
          "torch.accelerator", "torch.cuda.nvtx", "Generator(device='cuda')", "torch.cuda.FloatTensor and friends",
          "set_per_process_memory_fraction", "torch.cuda.device / device_of / StreamContext",
          "is_current_stream_capturing", "can_device_access_peer / get_allocator_backend",
@@ -76,3 +77,9 @@ def test_default_tensor_type_cuda_puts_new_tensors_on_the_remote_gpu(results):
     assert value["ok"], value
     assert value["value"] == ["cuda:0", "cuda:0", "cuda:0", "cuda:0", "cpu", [1.5, 2.5], [2, 3],
                               "torch.float64", "cuda:0", "cpu", "cpu", "torch.float32"]
+
+
+def test_what_a_program_saves_is_tagged_cuda_and_torchscript_maps_to_the_remote_gpu(results):
+    value = results["torch.save tags cuda:0; torch.jit.load(map_location='cuda')"]
+    assert value["ok"], value
+    assert value["value"] == ["cuda:0", "cuda:0", True, "cuda:0"]

@@ -497,8 +497,14 @@ def _patch_tensor_device() -> None:
 
 
 def _patch_serialization() -> None:
-    """Checkpoints with CUDA storages (or ``map_location="cuda"``) load onto gpuwire."""
+    """Checkpoints with CUDA storages (or ``map_location="cuda"``) load onto gpuwire, and what
+    the program saves from its "cuda" tensors is tagged ``cuda:N`` as on a CUDA machine (it was
+    ``gpuwire:0``, which nothing without gpuwire could load, even with ``map_location="cpu"``
+    missing)."""
     def cuda_tag(obj):
+        device = getattr(obj, "device", None)
+        if isinstance(device, torch.device) and device.type == DEVICE_TYPE:
+            return f"cuda:{device.index or 0}"
         return None
 
     def cuda_to_gpuwire(obj, location: str):
@@ -515,6 +521,14 @@ def _patch_serialization() -> None:
                              else map_location, *args, **kwargs)
 
     torch.load = load
+    original_jit_load = torch.jit.load
+
+    @functools.wraps(original_jit_load)
+    def jit_load(f, map_location=None, *args, **kwargs):  # (``torch.jit.load(path, map_location="cuda")``)
+        return original_jit_load(f, _map_device(map_location) if isinstance(map_location, (str, torch.device))
+                                 else map_location, *args, **kwargs)
+
+    torch.jit.load = jit_load
 
 
 def _patch_default_device() -> None:
