@@ -379,6 +379,17 @@ def saved_as_cuda():
 
 
 check("torch.save tags cuda:0; torch.jit.load(map_location='cuda')", saved_as_cuda)
+
+
+def initial_seed_is_the_devices():
+    torch.cuda.manual_seed(77)
+    torch.rand(1, device="cuda")
+    first = torch.cuda.initial_seed()
+    torch.manual_seed(5)
+    return [first, torch.cuda.initial_seed()]
+
+
+check("torch.cuda.initial_seed", initial_seed_is_the_devices)
 check("nn.DataParallel", lambda: torch.nn.DataParallel(torch.nn.Linear(4, 4)).cuda()(torch.randn(2, 4)).shape[0])
 check("torch.cuda.graphs", lambda: torch.cuda.CUDAGraph())
 check("torch.compile", lambda: torch.compile(torch.nn.Linear(2, 2).cuda())(torch.ones(1, 2, device="cuda")).shape[1])

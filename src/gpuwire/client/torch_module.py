@@ -168,7 +168,10 @@ seed_all = seed
 
 
 def initial_seed() -> int:
-    return torch.initial_seed()
+    """The seed the device's generator was last seeded with (``torch.cuda.manual_seed(77)`` then
+    ``torch.cuda.initial_seed()`` is 77, as on CUDA; it gave the CPU generator's)."""
+    seeded = _device._pending_seed
+    return seeded if seeded is not None else torch.initial_seed()
 
 
 def get_rng_state(device="gpuwire") -> torch.Tensor:
