@@ -390,6 +390,21 @@ def initial_seed_is_the_devices():
 
 
 check("torch.cuda.initial_seed", initial_seed_is_the_devices)
+
+
+def cuda_1_is_refused_as_cuda_does():
+    # it became cuda:0 without a word: a model split over two GPUs ran on one
+    refused = []
+    for make in (lambda: torch.ones(2, device="cuda:1"), lambda: torch.ones(2).to("cuda:1"),
+                 lambda: torch.ones(2).to(torch.device("cuda", 3))):
+        try:
+            make()
+        except RuntimeError as exc:
+            refused.append("invalid device ordinal" in str(exc) and "torchrun" in str(exc))
+    return refused + [str(torch.ones(1, device="cuda:0").device)]
+
+
+check("cuda:1 refused with one GPU", cuda_1_is_refused_as_cuda_does)
 check("nn.DataParallel", lambda: torch.nn.DataParallel(torch.nn.Linear(4, 4)).cuda()(torch.randn(2, 4)).shape[0])
 check("torch.cuda.graphs", lambda: torch.cuda.CUDAGraph())
 check("torch.compile", lambda: torch.compile(torch.nn.Linear(2, 2).cuda())(torch.ones(1, 2, device="cuda")).shape[1])

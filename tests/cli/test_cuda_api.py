@@ -30,7 +30,8 @@ WORKS = ["is_available", "device_count", "get_device_name", "get_device_properti
          "GradScaler('cuda')", "torch.save/torch.load(map_location='cuda')",
          "torch.load(map_location=lambda storage, loc: storage.cuda())",
          "set_default_tensor_type('torch.cuda.FloatTensor')",
-         "torch.save tags cuda:0; torch.jit.load(map_location='cuda')", "torch.cuda.initial_seed", "torch.compile", "nn.DataParallel",
+         "torch.save tags cuda:0; torch.jit.load(map_location='cuda')", "torch.cuda.initial_seed",
+         "cuda:1 refused with one GPU", "torch.compile", "nn.DataParallel",
          "torch.accelerator", "torch.cuda.nvtx", "Generator(device='cuda')", "torch.cuda.FloatTensor and friends",
          "set_per_process_memory_fraction", "torch.cuda.device / device_of / StreamContext",
          "is_current_stream_capturing", "can_device_access_peer / get_allocator_backend",
@@ -87,3 +88,7 @@ def test_what_a_program_saves_is_tagged_cuda_and_torchscript_maps_to_the_remote_
 
 def test_initial_seed_is_the_seed_the_device_was_given(results):
     assert results["torch.cuda.initial_seed"] == {"ok": True, "value": [77, 5]}
+
+
+def test_a_device_index_past_the_sessions_gpus_is_refused(results):
+    assert results["cuda:1 refused with one GPU"] == {"ok": True, "value": [True, True, True, "cuda:0"]}

@@ -66,7 +66,12 @@ def _map_device(value):
 def _session_index(cuda_index) -> int:
     if cuda_index is None or 0 <= cuda_index < _torch_module.VISIBLE_DEVICES:
         return 0
-    return cuda_index  # (no such device: refused where it is used)
+    # (it became cuda:0 without a word: a model split over cuda:0 and cuda:1 ran on one GPU)
+    visible = _torch_module.VISIBLE_DEVICES
+    raise RuntimeError(f"CUDA error: invalid device ordinal: cuda:{cuda_index} does not exist here "
+                       f"(gpuwire: this process has {visible} GPU{'s' if visible > 1 else ''}, "
+                       f"{'cuda:0' if visible == 1 else f'cuda:0-{visible - 1}'}; for more GPUs, run one process "
+                       "per GPU, e.g. under torchrun, each with its own gpuwire session)")
 
 
 def _launcher_devices() -> int:
