@@ -215,7 +215,7 @@ def run(argv: list[str], *, node: str | None, token: str | None, cuda_compat: bo
             return failed
     try:
         if starting:  # a node of our own: what it said when it started is all there is to check
-            embedded_module.wait_for_embedded_node(*starting)
+            embedded_module.wait_for_embedded_node(*starting, quiet=quiet)
             info = {"name": embedded_module.started_name(), "software": True}
         else:
             from .client.probe import NodeProbe  # (not the runtime: it imports torch, 2-3 s here)

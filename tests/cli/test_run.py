@@ -496,3 +496,13 @@ def test_a_2018_style_script_with_cuda_as_the_default_tensor_type(node, tmp_path
     done = gpuwire("run", "-q", "--node", node.address, "--", sys.executable, str(script))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split("\n")[0] == "cuda:0 cuda:0 [2.0, 4.0, 6.0, 8.0, 10.0]"
+
+
+def test_quiet_run_with_an_embedded_node_says_nothing():
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUWIRE_NODE", "GPUWIRE_TOKEN")}
+    done = subprocess.run([sys.executable, "-m", "gpuwire", "run", "-q", "--", sys.executable, "-c",
+                           "import torch; print((torch.ones(3, device='cuda') * 2).sum().item())"],
+                          capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "6.0"
+    assert "gpuwire:" not in done.stderr, done.stderr  # (the embedded node's start was still said)

@@ -59,8 +59,9 @@ def address_of(process: subprocess.Popen) -> str:
     return process.gpuwire_address
 
 
-def wait_for_embedded_node(process: subprocess.Popen, token: str) -> tuple[str, str]:
-    """The (address, token) of a node ``begin_embedded_node`` started, once it listens."""
+def wait_for_embedded_node(process: subprocess.Popen, token: str, *, quiet: bool = False) -> tuple[str, str]:
+    """The (address, token) of a node ``begin_embedded_node`` started, once it listens (said on
+    stderr unless ``quiet``: ``gpuwire run -q``)."""
     global _process
     with _lock:
         line = _read_line(process, STARTUP_TIMEOUT)
@@ -73,8 +74,9 @@ def wait_for_embedded_node(process: subprocess.Popen, token: str) -> tuple[str, 
         _started_line = line
         _process = process
         atexit.register(stop_embedded_node)
-        print(f"gpuwire: no node configured (GPUWIRE_NODE unset): started an embedded node at {address} "
-              "on the CPU backend (software GPU)", file=sys.stderr)
+        if not quiet:
+            print(f"gpuwire: no node configured (GPUWIRE_NODE unset): started an embedded node at {address} "
+                  "on the CPU backend (software GPU)", file=sys.stderr)
         return address, token
 
 
