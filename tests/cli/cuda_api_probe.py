@@ -405,6 +405,23 @@ def cuda_1_is_refused_as_cuda_does():
 
 
 check("cuda:1 refused with one GPU", cuda_1_is_refused_as_cuda_does)
+
+
+def default_generators():
+    # the tuple was empty while device_count() said 1 (Megatron/DeepSpeed RNG trackers index it)
+    g = torch.cuda.default_generators[0]
+    g.manual_seed(3)
+    first = torch.rand(2, device="cuda").tolist()
+    state = g.get_state()
+    second = torch.rand(2, device="cuda").tolist()
+    g.set_state(state)
+    again = torch.rand(2, device="cuda").tolist()
+    torch.manual_seed(3)
+    return [len(torch.cuda.default_generators), str(g.device), g.initial_seed(), second == again,
+            torch.rand(2, device="cuda").tolist() == first]
+
+
+check("torch.cuda.default_generators", default_generators)
 check("nn.DataParallel", lambda: torch.nn.DataParallel(torch.nn.Linear(4, 4)).cuda()(torch.randn(2, 4)).shape[0])
 check("torch.cuda.graphs", lambda: torch.cuda.CUDAGraph())
 check("torch.compile", lambda: torch.compile(torch.nn.Linear(2, 2).cuda())(torch.ones(1, 2, device="cuda")).shape[1])

@@ -31,7 +31,7 @@ WORKS = ["is_available", "device_count", "get_device_name", "get_device_properti
          "torch.load(map_location=lambda storage, loc: storage.cuda())",
          "set_default_tensor_type('torch.cuda.FloatTensor')",
          "torch.save tags cuda:0; torch.jit.load(map_location='cuda')", "torch.cuda.initial_seed",
-         "cuda:1 refused with one GPU", "torch.compile", "nn.DataParallel",
+         "cuda:1 refused with one GPU", "torch.cuda.default_generators", "torch.compile", "nn.DataParallel",
          "torch.accelerator", "torch.cuda.nvtx", "Generator(device='cuda')", "torch.cuda.FloatTensor and friends",
          "set_per_process_memory_fraction", "torch.cuda.device / device_of / StreamContext",
          "is_current_stream_capturing", "can_device_access_peer / get_allocator_backend",
@@ -92,3 +92,7 @@ def test_initial_seed_is_the_seed_the_device_was_given(results):
 
 def test_a_device_index_past_the_sessions_gpus_is_refused(results):
     assert results["cuda:1 refused with one GPU"] == {"ok": True, "value": [True, True, True, "cuda:0"]}
+
+
+def test_default_generators_is_the_sessions_generator(results):
+    assert results["torch.cuda.default_generators"] == {"ok": True, "value": [1, "cuda:0", 3, True, True]}

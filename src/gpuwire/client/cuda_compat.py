@@ -317,6 +317,37 @@ _LEGACY_TYPES = {"FloatTensor": torch.float32, "DoubleTensor": torch.float64, "H
                  "BoolTensor": torch.bool}
 
 
+class _DefaultGenerator:
+    """``torch.cuda.default_generators[i]``: the session's generator on the node, by duck typing
+    (a C++ ``torch.Generator`` cannot be made for a Python backend). The tuple was empty while
+    ``device_count()`` said 1: RNG trackers (Megatron, DeepSpeed) index it and save and restore
+    its state. As an op's ``generator=`` argument use ``torch.Generator(device="cuda")``."""
+
+    def __init__(self, index: int):
+        self.device = torch.device("cuda", index)
+
+    def manual_seed(self, seed: int) -> "_DefaultGenerator":
+        _torch_module.manual_seed(seed)
+        return self
+
+    def seed(self) -> int:
+        _torch_module.seed()
+        return self.initial_seed()
+
+    def initial_seed(self) -> int:
+        return _torch_module.initial_seed()
+
+    def get_state(self) -> torch.Tensor:
+        return _torch_module.get_rng_state()
+
+    def set_state(self, state: torch.Tensor) -> "_DefaultGenerator":
+        _torch_module.set_rng_state(state)
+        return self
+
+    def __repr__(self) -> str:
+        return f"<gpuwire default generator of {self.device}>"
+
+
 class _LegacyTypeMeta(type):
     def __instancecheck__(cls, obj) -> bool:
         return isinstance(obj, torch.Tensor) and on_device(obj) and obj.dtype == cls.dtype
@@ -784,6 +815,7 @@ def enable() -> None:
     # CUDA runtime at all; it reports the version of the CUDA wheels torch 2.x ships by default
     if torch.version.cuda is None:
         torch.version.cuda = CUDA_RUNTIME_VERSION
+    torch.cuda.default_generators = tuple(_DefaultGenerator(i) for i in range(_torch_module.VISIBLE_DEVICES))
     torch.cuda.graphs.CUDAGraph = _CUDAGraph
     torch.cuda.graphs.graph = _CUDAGraph
     _patch_tensor_device()
