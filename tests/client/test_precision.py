@@ -133,3 +133,28 @@ def test_the_default_dtype_reaches_the_node_and_stays_in_its_session(node, devic
     finally:
         torch.set_default_dtype(torch.float32)
     assert _node_flags()["default_dtype"] == "float32"
+
+
+NODE_IN_THE_CLIENTS_PROCESS = textwrap.dedent("""
+    import resource, torch, gpuwire
+    resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))  # (the loop grew without bound)
+    from gpuwire.node.server import NodeServer
+    server = NodeServer("127.0.0.1", 0)
+    host, port = server.bind()
+    server.start_background()
+    gpuwire.attach(f"{host}:{port}")
+    torch.set_default_dtype(torch.float64)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    x = torch.full((2,), 1 / 3, device="gpuwire")
+    print(x.dtype, x.cpu().tolist(), gpuwire.stats()["ops_sent"] < 50)
+""")
+
+
+def test_a_node_in_the_clients_own_process_applies_the_settings_once(tmp_path):
+    # the node called torch's setters, which the client (the same process) had wrapped to send
+    # them to its node: each application sent them again, without end (a CI worker was killed
+    # for memory at 22 GB)
+    done = subprocess.run([sys.executable, "-c", NODE_IN_THE_CLIENTS_PROCESS], capture_output=True, text=True,
+                          timeout=120, env={k: v for k, v in os.environ.items() if k != "GPUWIRE_NODE"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["torch.float64", "[0.3333333333333333,", "0.3333333333333333]", "True"]

@@ -151,15 +151,23 @@ DEFAULT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32
                   "float64": torch.float64}
 
 
+def _setter(name: str):
+    """torch's own setter: in a process that is also a client (a node inside a test), the client
+    wraps these to send them to its node (``client/precision.py``), and calling the wrapper here
+    sent them again, in a loop (an out-of-memory kill of a CI worker)."""
+    setter = getattr(torch._C, name)
+    return getattr(setter, "__wrapped__", setter)
+
+
 def _call_setter(name: str, args) -> None:
     if name == "_set_deterministic_algorithms":  # (mode, warn_only): its second is keyword-only
-        getattr(torch._C, name)(args[0], warn_only=bool(args[1]) if len(args) > 1 else False)
+        _setter(name)(args[0], warn_only=bool(args[1]) if len(args) > 1 else False)
     elif name == "_set_default_dtype":
         if not args or args[0] not in DEFAULT_DTYPES:
             raise ValueError(f"gpuwire::precision: the default dtype must be one of {', '.join(DEFAULT_DTYPES)}")
-        torch._C._set_default_dtype(DEFAULT_DTYPES[args[0]])
+        _setter(name)(DEFAULT_DTYPES[args[0]])
     else:
-        getattr(torch._C, name)(*args)
+        _setter(name)(*args)
 
 
 def _precision_defaults() -> tuple:
