@@ -94,12 +94,13 @@ def install() -> None:
             continue
 
         def recording(*args, _name=name, _original=original, **kwargs):
+            dtype_before = torch.get_default_dtype()
             result = _original(*args, **kwargs)  # torch validates the values, and raises, here
             if _name == "_set_deterministic_algorithms":
                 args = (bool(args[0]), bool(kwargs.get("warn_only", False)))
             elif _name in ("_set_default_dtype", "_set_default_tensor_type"):
                 _name, args = "_set_default_dtype", (str(torch.get_default_dtype()).removeprefix("torch."),)
-                if _calls.get((_name,), [None, "float32"])[1:] != list(args):
+                if torch.get_default_dtype() != dtype_before:
                     from . import device as _device
                     _device.forget_learned_layouts()  # (learned under the other default dtype)
             if all(type(a) in (bool, str) for a in args) and len(args) <= 3:

@@ -112,16 +112,12 @@ def _cuda_compat():
     return cuda_compat
 
 
-def _cuda_means_gpuwire() -> bool:
-    return _cuda_compat().enabled()
-
-
 def _patch_untyped_storage() -> None:
     original_new = torch.UntypedStorage.__new__
 
     def __new__(cls, *args, **kwargs):
         device = kwargs.get("device")
-        if device is not None and _cuda_means_gpuwire():
+        if device is not None and _cuda_compat().enabled():
             # ``storage.cuda()`` / ``storage.to(device="cuda")``, hence ``torch.load(...,
             # map_location=lambda storage, loc: storage.cuda())`` of older scripts
             device = kwargs["device"] = _cuda_compat()._map_device(device)
