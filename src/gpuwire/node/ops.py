@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch._prims_common import suggest_memory_format
 
-from .composite import COMPOSITE_OPS, _generator_for
+from .composite import COMPOSITE_OPS, _generator_for, generator_state_on
 
 
 class OpRefused(Exception):
@@ -82,8 +82,7 @@ def _sdpa_keep(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     generator state from before (for a recomputing backward should the graph be gone: after a
     migration or a second backward), and the handle."""
     device = query.device
-    state = _generator_for(device).get_state().to(device) if dropout_p else torch.empty(0, dtype=torch.uint8,
-                                                                                         device=device)
+    state = generator_state_on(device) if dropout_p else torch.empty(0, dtype=torch.uint8, device=device)
     inputs = [t.detach().requires_grad_(True) for t in (query, key, value)]
     mask = attn_mask
     if mask is not None and mask_requires_grad:
