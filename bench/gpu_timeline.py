@@ -15,8 +15,10 @@ Writes ``gpu_timeline.json`` to ``--out``.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -165,6 +167,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--amp", action="store_true", help="the step under bf16 autocast")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--keep-traces", action="store_true",
+                        help="also write both raw traces (gzipped Chrome traces) to --out, to read in Perfetto; "
+                             "GPUWIRE_PROFILE_KERNELS_CPU=1 adds the host ops on both sides")
     parser.add_argument("--local-side", type=Path, metavar="FILE", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     gpt, batch, seq, warm = GPT2_SMALL, 8, 512, 3
@@ -187,6 +192,11 @@ def main(argv=None) -> int:
         result = compare(steps_of(local_events, args.steps), steps_of(remote_events, args.steps))
         result["strided copies by launching op (whole run): local"] = launchers(local_events)
         result["strided copies by launching op (whole run): remote"] = launchers(remote_events)
+        if args.keep_traces:
+            suffix = "_bf16" if args.amp else ""
+            for side, path in (("local", local_trace), ("remote", remote_trace)):
+                with open(path, "rb") as src, gzip.open(args.out / f"{side}{suffix}.trace.json.gz", "wb") as dst:
+                    shutil.copyfileobj(src, dst)
     result["config"] = {"gpt": gpt, "batch": batch, "seq": seq, "amp": args.amp, "gap_us": GAP_US,
                         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     name = f"gpu_timeline{'_bf16' if args.amp else ''}.json"

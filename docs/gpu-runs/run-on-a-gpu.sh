@@ -8,12 +8,14 @@ export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1 PYTHONWARNINGS=igno
 # the C++ helpers build here only with a compiler: say which paths the figures below used
 timeout 120 python3 -c "from gpuwire.client import native as c; from gpuwire.node import native as n; from gpuwire.client import autocast as a; from gpuwire.node import loop as l; c.install(); n.install(); l.install(); print('helpers: client', c.status(), '| autocast', a.status(), '| node', n.status(), '| node loop', l.status())" | tee $OUT/helpers.txt
 timeout 150 python3 -m bench --only gpu --out $OUT 2>&1 | tail -9 | tee $OUT/bench.log
-# the client's flush age (GPUWIRE_FLUSH_AGE_US; default 25:200 since session 23) against the GPU's idle time
+# the client's flush age (GPUWIRE_FLUSH_AGE_US; default 25:200 since session 23) against the GPU's idle time;
+# KEEP_TRACES=1: the raw traces too (with the host ops: GPUWIRE_PROFILE_KERNELS_CPU=1)
 for age in ${FLUSH_AGES:-25:200 200}; do
   echo "flush age $age us"
-  GPUWIRE_FLUSH_AGE_US=$age timeout 90 python3 -m bench.gpu_timeline --steps 3 --out $OUT/age-${age/:/-} 2>&1 | grep "^local\|^remote {"
+  GPUWIRE_FLUSH_AGE_US=$age timeout 90 python3 -m bench.gpu_timeline --steps 3 --out $OUT/age-${age/:/-} ${KEEP_TRACES:+--keep-traces} 2>&1 | grep "^local\|^remote {"
 done
-timeout 120 python3 -m bench.gpu_check --out $OUT 2>&1 | grep -v "^  \|^Traceback\|^    " | cut -c1-700
+[ -n "$AMP_TIMELINE" ] && timeout 90 python3 -m bench.gpu_timeline --amp --steps 3 --out $OUT/amp 2>&1 | grep "^local\|^remote {"
+[ -z "$SKIP_CHECK" ] && timeout 120 python3 -m bench.gpu_check --out $OUT 2>&1 | grep -v "^  \|^Traceback\|^    " | cut -c1-700
 [ -n "$WITH_PROFILE" ] && timeout 60 python3 -m bench.gpu_profile --out $OUT 2>&1 | tail -4
 # the bench again: the GPU host's own noise between the two (the bf16 step is issue-bound)
 [ -n "$BENCH_TWICE" ] && timeout 150 python3 -m bench --only gpu --out $OUT/again 2>&1 | tail -9 | tee $OUT/bench-again.log

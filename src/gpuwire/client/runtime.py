@@ -76,6 +76,23 @@ FLUSH_BYTES = 1 << 20
 # ``GPUWIRE_FLUSH_AGE_US`` sets it ("N": fixed; "START:MAX": a ramp)
 FLUSH_AGE_FIRST = 25e-6
 FLUSH_AGE = 200e-6
+# After a sync point the node has nothing left to run, so the first commands of what follows
+# wait for nobody: this many are each sent at once (``GPUWIRE_FLUSH_EAGER``), then the age ramp
+# starts. Without it a step's first commands (the batch's upload, the embedding) waited in the
+# queue while the client ran the model's Python before its next op: 0.2-0.8 ms a flush on this
+# VM, and on an H100 the GPU idled 2.1 ms from the loss read to the next batch's upload and
+# 2.8 ms from there to the embedding (local: 0.5 + 0.5).
+FLUSH_EAGER = 0
+
+
+def configured_flush_eager() -> int:
+    text = os.environ.get("GPUWIRE_FLUSH_EAGER", "").strip()
+    if not text:
+        return FLUSH_EAGER
+    if not text.isdigit() or int(text) > 100000:
+        raise ValueError(f"GPUWIRE_FLUSH_EAGER={text!r}: give how many commands after each sync point are sent "
+                         f"at once, without waiting for company (0 to 100000); unset, it is {FLUSH_EAGER}")
+    return int(text)
 
 
 def configured_flush_age() -> tuple[float, float]:
@@ -146,6 +163,8 @@ class Runtime:
         # how long a queued command waits for company now; what it starts at after a sync point
         # and may double up to
         self._flush_age_first, self._flush_age_max = configured_flush_age()
+        self._flush_eager = configured_flush_eager()
+        self._eager_left = 0  # commands still to send at once (``FLUSH_EAGER``) since the last sync point
         self._flush_age = self._flush_age_first
         self._next_address = FIRST_ADDRESS
         self._live: dict[int, StorageRef] = {}
@@ -274,14 +293,27 @@ class Runtime:
         if len(queue) >= FLUSH_OPS or self._queue_bytes >= FLUSH_BYTES:
             self._flush()
         elif now - self._queued_at >= self._flush_age:
+            self._flush_for_age()
+
+    def _flush_for_age(self) -> None:
+        """Send the queue because its oldest command is due; the age doubles, or, while sends
+        after a sync point go out at once, one fewer is left."""
+        if self._eager_left:
+            self._eager_left -= 1
+            if not self._eager_left:
+                self._flush_age = self._flush_age_first
+        else:
             self._flush_age = min(2 * self._flush_age, self._flush_age_max)
-            self._flush()  # (which starts over at the first age if it is a sync point's)
+        self._flush()  # (which starts over if it is a sync point's)
 
     def _flush(self) -> None:
         if not self._queue:
             return
         if self._awaiting is not None:  # a sync point: the node will have nothing left to run
-            self._flush_age = self._flush_age_first
+            if self._flush_eager:
+                self._eager_left, self._flush_age = self._flush_eager, 0.0
+            else:
+                self._flush_age = self._flush_age_first
         self._check_alive()
         parts, self._queue = self._queue, []
         self._queue_bytes = 0
@@ -463,8 +495,7 @@ class Runtime:
             if len(queue) >= FLUSH_OPS or self._queue_bytes >= FLUSH_BYTES:
                 self._flush()
             elif now - self._queued_at >= self._flush_age:
-                self._flush_age = min(2 * self._flush_age, self._flush_age_max)
-                self._flush()
+                self._flush_for_age()
             if self._allocs_since_scan >= SCAN_EVERY:
                 self._collect_garbage()
             return address
