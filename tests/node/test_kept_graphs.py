@@ -74,3 +74,15 @@ def test_a_graph_past_the_session_budget_is_refused():
     error = session.pending_error
     assert error is not None and "memory budget" in str(error)
     assert not session._kept
+
+
+def test_a_generator_state_written_by_fills_keeps_every_byte():
+    """A CUDA node writes the generator state it keeps for a recomputing backward by fill_
+    kernels (no host-to-device copy, which would wait for the stream): every byte, the sign
+    bit of each word included, must come through as get_state() gave it."""
+    from gpuwire.node.composite import state_by_fills
+    state = torch.tensor([255] * 8 + [1, 2, 3, 4, 5, 6, 7, 128], dtype=torch.uint8)
+    out = state_by_fills(state, torch.device("cpu"))
+    assert out.dtype == torch.uint8 and torch.equal(out, state)
+    odd = torch.arange(13, dtype=torch.uint8)  # not whole 64-bit words: copied as it is
+    assert torch.equal(state_by_fills(odd, torch.device("cpu")), odd)

@@ -31,14 +31,28 @@ def _generator_for(device: torch.device) -> torch.Generator:
 
 def generator_state_on(device: torch.device) -> torch.Tensor:
     """The device generator's state now, as a tensor on ``device`` (kept for a recomputing
-    backward). On CUDA through pinned memory without blocking: a pageable host-to-device copy
-    waits for the stream, so the node stopped running ahead of the GPU at every SDPA with
-    dropout (an H100 timeline of GPT-2 small: a copy before each of the 12 attention kernels,
-    then 110-140 us of idle GPU while the node launched the kernels after it)."""
+    backward). On CUDA it is written by kernels taking its words as arguments: a pageable
+    host-to-device copy waits for the stream, so the node stopped running ahead of the GPU at
+    every SDPA with dropout (an H100 timeline of GPT-2 small: a copy before each of the 12
+    attention kernels, then 110-140 us of idle GPU while the node launched what followed), and a
+    pinned copy allocates host memory each call (the bf16 step, bound by the host, went from
+    60 to 84 ms with it)."""
     state = _generator_for(device).get_state()
     if device.type == "cuda":
-        return state.pin_memory().to(device, non_blocking=True)
+        return state_by_fills(state, device)
     return state.to(device)
+
+
+def state_by_fills(state: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``state`` (bytes on the host) as a tensor on ``device`` made by ``fill_`` kernels, one a
+    64-bit word (CUDA's Philox state: seed and offset, two), so no host memory is read by the
+    device; ``state.to(device)`` where it is not whole words."""
+    if state.numel() % 8 or state.numel() > 64:
+        return state.to(device)
+    words = torch.empty(state.numel() // 8, dtype=torch.int64, device=device)
+    for i, value in enumerate(state.view(torch.int64).tolist()):
+        words[i].fill_(value)
+    return words.view(torch.uint8)
 
 
 def tensor_leaves(value) -> list:
