@@ -175,21 +175,28 @@ def test_a_queued_command_waits_its_age_for_company_then_goes_with_the_next(devi
     assert torch.equal(x.cpu(), torch.full((4,), 9.0))
 
 
-def test_the_flush_age_starts_small_after_each_sync_point_and_doubles(device, monkeypatch, clocked_flushes):
-    # the default (GPUWIRE_FLUSH_AGE_US=25:200): right after a sync point the node has nothing
-    # left to run, so the first commands go out soon; batches grow as the client gets ahead
+def test_after_a_sync_point_the_first_commands_go_at_once_then_the_age_ramps(device, monkeypatch, clocked_flushes):
+    # the defaults (GPUWIRE_FLUSH_EAGER=32, GPUWIRE_FLUSH_AGE_US=25:200): right after a sync
+    # point the node has nothing left to run, so the first commands go out each at once (a
+    # step's upload and embedding, while the client runs the model's Python before its next
+    # op), then soon; batches grow as the client gets ahead
     x = torch.ones(4, device=device)
     gpuwire.synchronize()
     flushes, queue_after = clocked_flushes
     rt = _rt()
     assert (rt._flush_age_first, rt._flush_age_max) == (25e-6, 200e-6)  # (unset GPUWIRE_FLUSH_AGE_US)
+    assert rt._flush_eager == 32  # (unset GPUWIRE_FLUSH_EAGER)
     gpuwire.synchronize()  # (a sync point with nothing queued sends only its own frame)
     flushes.clear()
-    assert rt._flush_age == 25e-6
 
     def op_after(seconds):
         queue_after(seconds, x)
 
+    for _ in range(32):
+        op_after(1e-3)  # however long the client takes between them: none waits for the next
+    assert flushes == [1] * 32
+    flushes.clear()
+    assert rt._flush_age == 25e-6
     waited = []
     for _ in range(5):
         age = rt._flush_age
@@ -197,9 +204,42 @@ def test_the_flush_age_starts_small_after_each_sync_point_and_doubles(device, mo
         op_after(age * 1.01)  # the batch's first command waited just past the age: out it goes
         waited.append(round(age * 1e6))
     assert waited == [25, 50, 100, 200, 200] and flushes == [2] * 5
-    gpuwire.synchronize()  # the node caught up: the next batch waits 25 us again
+    gpuwire.synchronize()  # the node caught up: the next commands go at once again
+    flushes.clear()
+    op_after(0)
+    assert flushes == [1]
+    gpuwire.synchronize()
+    assert torch.equal(x.cpu(), torch.full((4,), 44.0))
+
+
+def test_without_eager_sends_the_age_starts_small_after_each_sync_point(device, monkeypatch, clocked_flushes):
+    x = torch.ones(4, device=device)
+    rt = _rt()
+    monkeypatch.setattr(rt, "_flush_eager", 0)  # GPUWIRE_FLUSH_EAGER=0
+    gpuwire.synchronize()
+    flushes, queue_after = clocked_flushes
+    gpuwire.synchronize()
+    flushes.clear()
     assert rt._flush_age == 25e-6
-    assert torch.equal(x.cpu(), torch.full((4,), 11.0))
+    queue_after(0, x)
+    queue_after(10e-6, x)
+    assert flushes == []  # (waits for company)
+    queue_after(20e-6, x)
+    assert flushes == [3] and rt._flush_age == 50e-6
+    gpuwire.synchronize()
+    assert torch.equal(x.cpu(), torch.full((4,), 4.0))
+
+
+def test_the_eager_count_is_read_from_the_environment_and_a_bad_value_says_what_to_give(monkeypatch):
+    monkeypatch.delenv("GPUWIRE_FLUSH_EAGER", raising=False)
+    assert runtime_module.configured_flush_eager() == 32
+    for text, expected in (("0", 0), ("8", 8), (" 64 ", 64)):
+        monkeypatch.setenv("GPUWIRE_FLUSH_EAGER", text)
+        assert runtime_module.configured_flush_eager() == expected
+    for bad in ("many", "-1", "1.5", "1000001"):
+        monkeypatch.setenv("GPUWIRE_FLUSH_EAGER", bad)
+        with pytest.raises(ValueError, match="GPUWIRE_FLUSH_EAGER.*sync point"):
+            runtime_module.configured_flush_eager()
 
 
 def test_the_flush_age_is_set_in_microseconds_and_a_bad_value_says_what_to_give(monkeypatch):
