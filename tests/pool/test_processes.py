@@ -168,7 +168,8 @@ def test_serve_with_a_bad_or_missing_key_refuses_to_start(folder, pool_proc):
 
 JOB = textwrap.dedent("""
     import sys, time, torch, gpuwire
-    gpuwire.attach(sys.argv[1], token=sys.argv[2])
+    print("ready", flush=True)  # (the token comes after the imports: it lives 2 s, an import on a busy machine more)
+    gpuwire.attach(sys.argv[1], token=sys.stdin.readline().strip())
     x = torch.ones(64, 64, device="gpuwire")
     total = 0.0
     for step in range(40):
@@ -189,10 +190,14 @@ def test_pool_sigkill_and_restart_during_a_job(pool_proc, admin, nodes, make_ten
     token = lease.token
     node_id = lease.node_id
     kid = admin.signing_key()["kid"]
-    job = subprocess.Popen([sys.executable, "-c", JOB, lease.address, token], stdout=subprocess.PIPE,
+    job = subprocess.Popen([sys.executable, "-c", JOB, lease.address], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, env={**os.environ, "GPUWIRE_NODE": ""})
     try:
-        assert job.stdout.readline().strip() == "started"
+        assert job.stdout.readline().strip() == "ready", job.communicate(timeout=30)[1]
+        token = lease.token  # (renewed by the keeper meanwhile)
+        job.stdin.write(token + "\n")
+        job.stdin.flush()
+        assert job.stdout.readline().strip() == "started", job.communicate(timeout=30)[1]
         pool_proc.kill(signal.SIGKILL)           # the control plane dies mid-job
         time.sleep(3)                            # longer than the lease's ttl and the nodes' dead-after time
         pool_proc.restart()

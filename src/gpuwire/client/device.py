@@ -104,6 +104,8 @@ def _forget_runtime_in_child() -> None:
     global _runtime
     rt = _runtime
     if rt is not None:
+        from . import runtime as _runtime_module
+        _runtime_module.INHERITED_BELOW[0] = max(_runtime_module.INHERITED_BELOW[0], rt._next_address)
         rt._queue = []
         rt._dead = ConnectionLost("this process was forked from the one that owned the gpuwire connection")
         _runtime = None

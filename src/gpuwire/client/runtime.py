@@ -10,7 +10,9 @@ the queue and wait: that is the only place the client blocks, and ``round_trips`
 from __future__ import annotations
 
 import atexit
+import multiprocessing.util as _mp_util
 import os
+import re
 import socket
 import sys
 import threading
@@ -121,6 +123,15 @@ COPY_PAYLOAD_BELOW = 256 << 10  # smaller uploads are copied into the queue; lar
 FIRST_ADDRESS = 1 << 32
 ALIGN = 512
 SCAN_EVERY = 256
+# storage ids below this were given out by a parent process before it forked this one
+# (``device._forget_runtime_in_child``); the parent's session owns them
+INHERITED_BELOW = [0]
+_UNALLOCATED = re.compile(r"storage (0x[0-9a-f]+) is not allocated in this session")
+FORKED_CHILD_MESSAGE = (
+    "Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, you must use the "
+    "'spawn' start method (gpuwire: this device tensor was made by the parent process before it forked; a "
+    "forked child has its own session with the node, which cannot reach the parent's memory. Start workers "
+    "with the 'spawn' method, or pass them host tensors)")
 _storage_expired = torch.UntypedStorage._expired
 _free_weak_ref = torch.UntypedStorage._free_weak_ref
 
@@ -169,7 +180,9 @@ class Runtime:
         self._flush_eager = configured_flush_eager()
         self._eager_left = 0  # commands still to send at once (``FLUSH_EAGER``) since the last sync point
         self._flush_age = self._flush_age_first
-        self._next_address = FIRST_ADDRESS
+        # (a forked child starts above what its parent had given out: a tensor it inherited
+        # then names no storage of its own session, and says so: ``_failed``)
+        self._next_address = max(FIRST_ADDRESS, INHERITED_BELOW[0])
         self._live: dict[int, StorageRef] = {}
         self._live_bytes: dict[int, int] = {}
         self.bytes_in_use = 0
@@ -193,6 +206,12 @@ class Runtime:
         self.recovery.started()
         self._pid = os.getpid()
         atexit.register(self._close_at_exit)
+        # a multiprocessing child (a DataLoader worker, a spawned process) ends by os._exit,
+        # which runs no atexit handler, but multiprocessing's finalizers: without a Goodbye the
+        # node kept each worker's session for a reconnect and warned when it gave up, 10 s later.
+        # Below the queues' own (-5: their feeder threads, which may still be downloading a
+        # device tensor they were given, are joined first)
+        self._exit_finalizer = _mp_util.Finalize(None, self._close_at_exit, exitpriority=-10)
 
     def _close_at_exit(self) -> None:
         """Say Goodbye when the program ends, so the node frees the session now rather than
@@ -254,6 +273,7 @@ class Runtime:
             for ref in live.values():
                 ref.release()
         atexit.unregister(self._close_at_exit)  # (it kept every closed runtime alive until exit)
+        self._exit_finalizer.cancel()
 
     @property
     def alive(self) -> bool:
@@ -427,6 +447,9 @@ class Runtime:
         forgotten: one of them may be the op that failed, so its result never took those values."""
         if self.mirror:
             self.mirror.clear()
+        unallocated = _UNALLOCATED.match(error.message) if error.exc_type == "SessionError" else None
+        if unallocated and int(unallocated.group(1), 16) < INHERITED_BELOW[0]:
+            return remote_error(error.op, error.seq, "RuntimeError", FORKED_CHILD_MESSAGE, self.address)
         return remote_error(error.op, error.seq, error.exc_type, error.message, self.address)
 
     # ------------------------------------------------------------ commands

@@ -324,8 +324,9 @@ def install() -> None:
     _patch_data_assignment()
     _patch_transformer_encoder()
     _patch_accelerator()
-    from . import distributed
+    from . import distributed, sharing
     distributed.install()
+    sharing.install()
     torch.Generator = Generator
     original_pin_memory = torch.Tensor.pin_memory
 

@@ -1,0 +1,89 @@
+"""Device tensors between processes: ``torch.multiprocessing`` queues and pipes, DataLoader
+workers that return ``.cuda()`` tensors, ``mp.spawn`` arguments.
+
+Sits beside ``client.shims``: PyTorch pickles a tensor for another process through
+``ForkingPickler`` reductions that share its memory (a CPU tensor by a shared-memory file, a
+CUDA tensor by a CUDA IPC handle). A gpuwire storage has neither: the reduction raised
+``_share_fd_: only available on CPU`` in the sender's queue thread, the item was dropped, and the
+receiver waited for ever. Each process here has its own session with the node, so a device
+tensor crosses as its bytes: the sender downloads them into the pickle itself, the receiver
+uploads them into its own session on the same device. (Not as a CPU tensor in shared memory:
+nothing would keep that host copy alive until a spawned child opened it, and spawn refused its
+closed file descriptor.) What crosses is a copy: unlike CUDA IPC, a write on one side is not seen
+on the other (docs/compatibility.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .wire import DEVICE_TYPE
+
+_installed = False
+
+
+def _host_bytes(host: torch.Tensor) -> bytes:
+    return host.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _from_bytes(data: bytes, dtype: torch.dtype, shape) -> torch.Tensor:
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _rebuild_tensor(data: bytes, dtype, shape, index, requires_grad: bool, parameter: bool) -> torch.Tensor:
+    tensor = _from_bytes(data, dtype, shape).to(torch.device(DEVICE_TYPE, index))
+    if parameter:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return tensor.requires_grad_(requires_grad)
+
+
+def _rebuild_storage(data: bytes, index) -> torch.UntypedStorage:
+    return _from_bytes(data, torch.uint8, (len(data),)).untyped_storage().to(device=torch.device(DEVICE_TYPE, index))
+
+
+def _reduce_tensor(tensor: torch.Tensor, original):
+    if tensor.device.type != DEVICE_TYPE:
+        return original(tensor)
+    if tensor.requires_grad and not tensor.is_leaf:
+        raise RuntimeError(  # (torch's own words for a CUDA or CPU tensor)
+            "Cowardly refusing to serialize non-leaf tensor which requires_grad, since autograd does not "
+            "support crossing process boundaries.  If you just want to transfer the data, call detach() on "
+            "the tensor before serializing (e.g., putting it on the queue).")
+    host = tensor.detach().cpu()
+    return _rebuild_tensor, (_host_bytes(host), host.dtype, tuple(host.shape), tensor.device.index,
+                             tensor.requires_grad, isinstance(tensor, torch.nn.Parameter))
+
+
+def _reduce_storage(storage, original):
+    if storage.device.type != DEVICE_TYPE:
+        return original(storage)
+    untyped = storage.untyped() if isinstance(storage, torch.TypedStorage) else storage
+    host = torch.empty(0, dtype=torch.uint8).set_(untyped.cpu())
+    return _rebuild_storage, (_host_bytes(host), storage.device.index)
+
+
+def install() -> None:
+    """Put the reductions in front of torch's for every class torch registered them for."""
+    global _installed
+    if _installed:
+        return
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch.multiprocessing import reductions
+    reductions.init_reductions()  # (idempotent: torch ran it when torch.multiprocessing was imported)
+    original_tensor, original_storage = reductions.reduce_tensor, reductions.reduce_storage
+
+    def reduce_tensor(tensor):
+        return _reduce_tensor(tensor, original_tensor)
+
+    def reduce_storage(storage):
+        return _reduce_storage(storage, original_storage)
+
+    for cls, reducer in list(ForkingPickler._extra_reducers.items()):
+        if reducer is original_tensor:
+            ForkingPickler.register(cls, reduce_tensor)
+        elif reducer is original_storage:
+            ForkingPickler.register(cls, reduce_storage)
+    _installed = True
