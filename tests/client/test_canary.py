@@ -72,3 +72,18 @@ def test_module_conversion_and_generator_hooks():
              "torch._C.Generator", "is no longer subclassable ")
     source = inspect.getsource(torch._utils._to)
     _require("UntypedStorage(" in source, "torch._utils._to", "no longer builds device storages with UntypedStorage ")
+
+
+def test_disable_dynamo_caches_its_wrapper_on_the_function():
+    """client/meta_kernels.defer_dynamo_import relies on ``_disable_dynamo``'s ``inner`` calling
+    ``fn.__dynamo_disable`` when set (instead of importing dynamo to build it)."""
+    called = []
+
+    def fn(x):
+        return x + 1
+
+    wrapped = torch._compile._disable_dynamo(fn)
+    cells = dict(zip(wrapped.__code__.co_freevars, (cell.cell_contents for cell in wrapped.__closure__)))
+    assert cells["fn"] is fn and cells["recursive"] is True  # (how the client finds the function)
+    fn.__dynamo_disable = lambda x: called.append(x) or 7
+    assert wrapped(1) == 7 and called == [1]

@@ -34,7 +34,7 @@ from torch._C import DispatchKey, DispatchKeySet
 from .._memory import RecyclingHostTensors, StorageCache
 from ..protocol import codec
 from ..protocol.codec import dense_layout
-from . import checks, host_ops, mirror, native, precision, wire
+from . import checks, host_ops, meta_kernels, mirror, native, precision, wire
 from .errors import ConnectionLost
 from .runtime import Runtime
 from .wire import CODE_DTYPE, DTYPE_CODE
@@ -147,6 +147,7 @@ def _set_runtime(rt: Runtime) -> None:
     global _runtime
     _runtime = rt
     infer_as_cpu(rt.device_info.get("backend") == "cpu")
+    meta_kernels.defer_dynamo_import()  # (before the first meta kernel: a factory's, an op's)
     rt.seed(_pending_seed if _pending_seed is not None else torch.initial_seed())
     precision.send(rt)  # TF32 / matmul-precision flags set before the session existed
 
@@ -2224,7 +2225,7 @@ def register() -> None:
                                                                                 DispatchKey.PrivateUse1)
     register_kernel(_aten_library, "_to_copy", _to_copy, with_keyset=True)
     from . import compile as _compile
-    from . import fused, meta_kernels
+    from . import fused
     fused.register(_aten_library)
     meta_kernels.register(_aten_library)
     _compile.register()
