@@ -522,4 +522,6 @@ def test_node_is_whole_after_the_fuzzing(fuzz_node, good, attackers):
     assert info["bytes_in_use"] == good.rt.query("memory")["bytes_in_use"]
     good.check()
     if SCALE >= 1 and STATS["cases"] >= examples(1200) + examples(1200):  # both fuzz tests ran in full
-        assert STATS["frames"] >= 8_000, STATS  # (~9,000 in 2,400 cases)
+        # (~9,000 in 2,400 cases, 7,945 in one CI run: the draws are random; this catches a
+        # fuzzer that stopped sending, not a slow day)
+        assert STATS["frames"] >= 6_000, STATS
