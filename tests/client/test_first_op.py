@@ -14,6 +14,10 @@ SCRIPT = textwrap.dedent("""
     y = (x + 1) * 2
     z = torch.softmax(y.view(2, 2), dim=-1)
     print("dynamo after the first ops:", "torch._dynamo" in sys.modules)
+    # (only meta kernels are deferred: a compiled program may call these, where dynamo must find its own)
+    zero_grad = torch.optim.Optimizer.zero_grad
+    cells = dict(zip(zero_grad.__code__.co_freevars, (c.cell_contents for c in zero_grad.__closure__ or ())))
+    print("zero_grad deferred:", type(getattr(cells.get("fn"), "__dynamo_disable", None)).__name__)
     import torch._dynamo
     compiled = torch.compile(lambda a: torch.relu(a - 3.0) + a.sum(), backend="eager")
     print("compiled:", compiled(torch.arange(4.0)).tolist())
@@ -27,6 +31,7 @@ def test_the_first_ops_of_a_process_do_not_import_dynamo_and_compile_still_works
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert "dynamo after the first ops: False" in lines
+    assert "zero_grad deferred: NoneType" in lines
     assert "compiled: [6.0, 6.0, 6.0, 6.0]" in lines
     expected_softmax = torch_softmax_first_row()
     assert f"values: {[[2.0, 4.0, 6.0, 8.0], expected_softmax, [0.0, 1.5, 3.0, 4.5]]}" in lines

@@ -100,9 +100,15 @@ class _DisableOnceDynamoIsLoaded:
         return disabled(*args, **kwargs)
 
 
+# Only the meta kernels' functions: others (``Optimizer.zero_grad``, ``torch.utils.checkpoint``,
+# DDP) may be called from a program's compiled code, where dynamo must meet its own wrapper, and
+# a local run imports dynamo for them anyway
+_META_KERNEL_MODULES = ("torch._refs", "torch._prims", "torch._decomp", "torch._meta_registrations")
+
+
 def defer_dynamo_import() -> None:
-    """Before the client's first meta kernel runs (once a process): give every function wrapped by
-    ``_disable_dynamo`` that has not run yet a ``_DisableOnceDynamoIsLoaded``. Found by their code
+    """Before the client's first meta kernel runs (once a process): give every meta-kernel function
+    wrapped by ``_disable_dynamo`` that has not run yet a ``_DisableOnceDynamoIsLoaded``. Found by their code
     object among live functions (~0.1 s once). The first ``x + 1`` of a process: 1.94 s -> 0.44 s."""
     global _dynamo_deferred
     if _dynamo_deferred:
@@ -121,5 +127,6 @@ def defer_dynamo_import() -> None:
             # copies the wrapped function's own ``__dict__``, ``__wrapped__`` included)
             cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in obj.__closure__)))
             fn = cells.get("fn")
-            if fn is not None and getattr(fn, "__dynamo_disable", None) is None:
+            if fn is not None and getattr(fn, "__dynamo_disable", None) is None and \
+                    (getattr(fn, "__module__", None) or "").startswith(_META_KERNEL_MODULES):
                 fn.__dynamo_disable = _DisableOnceDynamoIsLoaded(fn, cells.get("recursive", True))
