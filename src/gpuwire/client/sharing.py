@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .wire import DEVICE_TYPE
+from .wire import DEVICE_TYPE, on_device
 
 _installed = False
 
@@ -44,7 +44,7 @@ def _rebuild_storage(data: bytes, index) -> torch.UntypedStorage:
 
 
 def _reduce_tensor(tensor: torch.Tensor, original):
-    if tensor.device.type != DEVICE_TYPE:
+    if not on_device(tensor):  # (not ``tensor.device``: under CUDA compatibility it says cuda)
         return original(tensor)
     if tensor.requires_grad and not tensor.is_leaf:
         raise RuntimeError(  # (torch's own words for a CUDA or CPU tensor)
@@ -52,8 +52,12 @@ def _reduce_tensor(tensor: torch.Tensor, original):
             "support crossing process boundaries.  If you just want to transfer the data, call detach() on "
             "the tensor before serializing (e.g., putting it on the queue).")
     host = tensor.detach().cpu()
-    return _rebuild_tensor, (_host_bytes(host), host.dtype, tuple(host.shape), tensor.device.index,
+    return _rebuild_tensor, (_host_bytes(host), host.dtype, tuple(host.shape), _device_index(tensor),
                              tensor.requires_grad, isinstance(tensor, torch.nn.Parameter))
+
+
+def _device_index(tensor: torch.Tensor):
+    return torch._C.TensorBase.device.__get__(tensor).index  # (the gpuwire device's own index)
 
 
 def _reduce_storage(storage, original):
