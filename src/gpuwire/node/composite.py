@@ -35,8 +35,8 @@ def generator_state_on(device: torch.device) -> torch.Tensor:
     host-to-device copy waits for the stream, so the node stopped running ahead of the GPU at
     every SDPA with dropout (an H100 timeline of GPT-2 small: a copy before each of the 12
     attention kernels, then 110-140 us of idle GPU while the node launched what followed), and a
-    pinned copy allocates host memory each call (the bf16 step, bound by the host, went from
-    60 to 84 ms with it)."""
+    pinned copy allocates host memory each call (the host-bound bf16 step measured 84 ms with it
+    against 60 without, on other hosts: suspected, not proven)."""
     state = _generator_for(device).get_state()
     if device.type == "cuda":
         return state_by_fills(state, device)
