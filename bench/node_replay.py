@@ -107,6 +107,7 @@ def replay(path: str, runs: int) -> None:
     print(f"node helpers: {native.status()}, op loop: {loop.status()}")
     backend = Backend.select("cpu")
     rng, ops = node_session.RngOwner(backend), OpTable()
+    node_session.settle_garbage_collector()  # as a serving node's process does once it listens
     for _ in range(runs):
         conn = Connection(Role.SERVER)
         session = node_session.Session(backend, rng, ops)

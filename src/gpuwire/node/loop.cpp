@@ -30,6 +30,7 @@
 
 namespace {
 
+using gpuwire_common::InstanceAttrs;
 using gpuwire_common::int_tuple;
 using gpuwire_common::kCodes;
 constexpr size_t kMaxList = 4096;      // longer lists: the Python path (and its limits)
@@ -44,7 +45,7 @@ long strided_layout_code = -1;
 
 PyObject *s_unzeroed, *s_decode_error, *s_overwriting, *s_thread, *s_replay_floor, *s_owner, *s_precision,
     *s_memory_budget, *s_device_bytes, *s_bytes_in_use, *s_ops_run, *s_adopt, *s_allocate, *s_failed, *s_acquire,
-    *s_release, *s_device_memory;
+    *s_release, *s_device_memory, *s_seq, *s_empty_tuple;
 
 struct Entry {
   std::string name;
@@ -216,6 +217,12 @@ struct Loop {
   PyObject* device_type;
   PyObject* device_index;
   PyObject* ext_tensor_code;
+  // read per op, so looked up once: the instance dicts of the session and of its RngOwner
+  // (InstanceAttrs), the lock's bound acquire and release
+  PyObject* session_dict;
+  PyObject* rng_dict;
+  PyObject* lock_acquire;
+  PyObject* lock_release;
   c10::Device device;
   // the signature the last fallback would have had, for learn(): seq, entry, key
   int64_t pending_seq;
@@ -453,28 +460,6 @@ bool convert(Loop* self, Reader& r, const c10::TypePtr& type, bool exact, c10::I
   }
 }
 
-int attr_is(PyObject* obj, PyObject* name, PyObject* expected) {
-  PyObject* value = PyObject_GetAttr(obj, name);
-  if (value == nullptr) return -1;
-  const int same = value == expected;
-  Py_DECREF(value);
-  return same;
-}
-
-int read_int(PyObject* obj, PyObject* name, int64_t* out, bool* none = nullptr) {
-  PyObject* value = PyObject_GetAttr(obj, name);
-  if (value == nullptr) return -1;
-  if (value == Py_None && none != nullptr) {
-    *none = true;
-    Py_DECREF(value);
-    return 0;
-  }
-  if (none != nullptr) *none = false;
-  *out = PyLong_AsLongLong(value);
-  Py_DECREF(value);
-  return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
-}
-
 // an op's declared output: [storage id, nbytes, sizes, strides, dtype code]
 struct Out {
   int64_t storage_id, nbytes, code;
@@ -482,23 +467,52 @@ struct Out {
 };
 
 PyObject* out_list(const Out& out) {
-  PyObject* sizes = int_tuple(out.sizes);
-  PyObject* strides = sizes ? int_tuple(out.strides) : nullptr;
-  PyObject* list = strides ? Py_BuildValue("[LLOOL]", static_cast<long long>(out.storage_id),
-                                           static_cast<long long>(out.nbytes), sizes, strides,
-                                           static_cast<long long>(out.code))
-                           : nullptr;
-  Py_XDECREF(sizes);
-  Py_XDECREF(strides);
+  PyObject* items[5] = {PyLong_FromLongLong(out.storage_id), PyLong_FromLongLong(out.nbytes), int_tuple(out.sizes),
+                        int_tuple(out.strides), PyLong_FromLongLong(out.code)};
+  PyObject* list = PyList_New(5);
+  for (int k = 0; k < 5; ++k) {
+    if (items[k] == nullptr || list == nullptr) {
+      for (PyObject* item : items) Py_XDECREF(item);
+      Py_XDECREF(list);
+      return nullptr;
+    }
+  }
+  for (int k = 0; k < 5; ++k) PyList_SET_ITEM(list, k, items[k]);
   return list;
 }
 
-struct Held {  // Python references released on every way out
-  std::vector<PyObject*> refs;
+// What one run() works with, kept per thread between frames so that a frame costs no heap
+// allocation for them (the capacity stays; ~10 malloc/free pairs a frame before). Emptied on every
+// way out: the stack's tensors and the Python references must not outlive the frame.
+struct Scratch {
+  std::vector<PyObject*> refs;  // Python references released on every way out
+  torch::jit::Stack stack;
+  std::vector<const unsigned char*> at;
+  std::vector<Out> outs;
+  std::string key;
+  bool busy = false;
+};
+thread_local Scratch scratch;
+
+struct Held {
+  Scratch& s;
+  explicit Held(Scratch& s) : s(s) { s.busy = true; }
   ~Held() {
-    for (PyObject* o : refs) Py_DECREF(o);
+    s.stack.clear();
+    for (PyObject* o : s.refs) Py_DECREF(o);
+    s.refs.clear();
+    s.busy = false;
   }
 };
+
+// RanOp(seq), made without running its Python __init__ (a frame a run; the class has a slot
+// for seq and no __new__ of its own)
+PyObject* ran_op(PyObject* seq) {
+  auto* type = reinterpret_cast<PyTypeObject*>(ran_type);
+  PyObject* event = type->tp_new(type, s_empty_tuple, nullptr);
+  if (event != nullptr && PyObject_SetAttr(event, s_seq, seq) < 0) Py_CLEAR(event);
+  return event;
+}
 
 // run(raw, names) -> RanOp(seq) when the Op frame ``raw`` was run (or failed and was reported
 // as Session.handle reports a failure), None when the Python path must decode and run it (then
@@ -539,16 +553,19 @@ PyObject* loop_run(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
   if (!entry->op) NOT_HERE(kNotEligible);
 
   // the session's state: anything but the plain case is Session.handle's
+  PyObject* state = self->session_dict;
   int64_t floor = 0;
-  if (read_int(session, s_replay_floor, &floor) < 0) return nullptr;
+  if (InstanceAttrs::read_int(session, state, s_replay_floor, &floor) < 0) return nullptr;
   if (seq <= floor && seq) NOT_HERE(kSessionState);
   for (PyObject* attr : {s_unzeroed, s_decode_error, s_overwriting}) {
-    const int none = attr_is(session, attr, Py_None);
+    const int none = InstanceAttrs::is(session, state, attr, Py_None);
     if (none < 0) return nullptr;
     if (!none) NOT_HERE(kSessionState);
   }
+  if (scratch.busy) NOT_HERE(kSessionState);  // (never: nothing it calls runs a frame)
+  Held held(scratch);
   {
-    PyObject* thread = PyObject_GetAttr(session, s_thread);
+    PyObject* thread = InstanceAttrs::get(session, state, s_thread);
     if (thread == nullptr) return nullptr;
     const unsigned long ident = thread == Py_None ? 0 : PyLong_AsUnsignedLong(thread);
     Py_DECREF(thread);
@@ -561,7 +578,8 @@ PyObject* loop_run(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
   const auto& arguments = schema.arguments();
   size_t positional;
   if (!r.array(&positional) || positional > arguments.size()) NOT_HERE(kArguments);
-  std::vector<const unsigned char*> at(arguments.size(), nullptr);
+  std::vector<const unsigned char*>& at = scratch.at;
+  at.assign(arguments.size(), nullptr);
   for (size_t k = 0; k < positional; ++k) {
     at[k] = r.p;
     if (!r.skip()) NOT_HERE(kArguments);
@@ -579,9 +597,10 @@ PyObject* loop_run(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
   }
   size_t out_count;
   if (!r.array(&out_count) || out_count > 64) NOT_HERE(kArguments);
-  std::vector<Out> outs(out_count);
-  std::string key;
-  key.reserve(256);
+  std::vector<Out>& outs = scratch.outs;
+  outs.resize(out_count);
+  std::string& key = scratch.key;
+  key.clear();
   int64_t declared = 0;
   for (auto& out : outs) {
     size_t parts, dims;
@@ -600,9 +619,7 @@ PyObject* loop_run(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
   if (!r.ok || r.p != r.end) NOT_HERE(kArguments);
   if (out_count && out_count != schema.returns().size()) NOT_HERE(kArguments);
 
-  Held held;
-  torch::jit::Stack stack;
-  stack.reserve(arguments.size());
+  torch::jit::Stack& stack = scratch.stack;
   for (size_t k = 0; k < arguments.size(); ++k) {
     key.push_back(static_cast<char>(k));
     if (at[k] == nullptr) {
@@ -614,7 +631,7 @@ PyObject* loop_run(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
     }
     Reader value{at[k], r.end};
     c10::IValue converted;
-    if (!convert(self, value, arguments[k].real_type(), entry->exact_numbers, &converted, key, held.refs)) {
+    if (!convert(self, value, arguments[k].real_type(), entry->exact_numbers, &converted, key, scratch.refs)) {
       if (PyErr_Occurred()) PyErr_Clear();
       NOT_HERE(kArguments);
     }
@@ -631,9 +648,9 @@ PyObject* loop_run(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
   }
   int64_t budget = 0, device_bytes = 0, in_use = 0;
   bool no_budget = false, no_device = false;
-  if (read_int(session, s_memory_budget, &budget, &no_budget) < 0 ||
-      read_int(session, s_device_bytes, &device_bytes, &no_device) < 0 ||
-      read_int(session, s_bytes_in_use, &in_use) < 0) {
+  if (InstanceAttrs::read_int(session, state, s_memory_budget, &budget, &no_budget) < 0 ||
+      InstanceAttrs::read_int(session, state, s_device_bytes, &device_bytes, &no_device) < 0 ||
+      InstanceAttrs::read_int(session, state, s_bytes_in_use, &in_use) < 0) {
     return nullptr;
   }
   if (no_budget && no_device) {  // (measured once, on a session's first need: Session._device_memory)
@@ -647,23 +664,23 @@ PyObject* loop_run(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
   if (declared > room || learned->second > room) NOT_HERE(kNoRoom);  // (Python raises the OOM)
 
   // the device's lock and math-mode flags, as Session._run_op takes them
-  PyObject* got = PyObject_CallMethodNoArgs(self->rng_lock, s_acquire);
+  PyObject* got = PyObject_CallNoArgs(self->lock_acquire);
   if (got == nullptr) return nullptr;
   Py_DECREF(got);
   struct Unlock {
-    PyObject* lock;
+    PyObject* release;
     ~Unlock() {
-      PyObject* done = PyObject_CallMethodNoArgs(lock, s_release);
+      PyObject* done = PyObject_CallNoArgs(release);
       if (done == nullptr) PyErr_Clear();  // (cannot fail: this thread acquired it)
       Py_XDECREF(done);
     }
   };
   std::exception_ptr failure;
   {
-    Unlock unlock{self->rng_lock};
-    const int owner = attr_is(self->rng, s_owner, session);
+    Unlock unlock{self->lock_release};
+    const int owner = InstanceAttrs::is(self->rng, self->rng_dict, s_owner, session);
     if (owner < 0) return nullptr;
-    PyObject* precision = PyObject_GetAttr(session, s_precision);
+    PyObject* precision = InstanceAttrs::get(session, state, s_precision);
     if (precision == nullptr) return nullptr;
     const bool applied = PyList_GET_SIZE(applied_precision) > 0 && PyList_GET_ITEM(applied_precision, 0) == precision;
     Py_DECREF(precision);
@@ -678,21 +695,19 @@ PyObject* loop_run(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
   }
   PyObject* seq_obj = PyLong_FromLongLong(seq);
   if (seq_obj == nullptr) return nullptr;
-  held.refs.push_back(seq_obj);
+  scratch.refs.push_back(seq_obj);
   int64_t ran = 0;
   if (failure) {
     // (counted as Session._run_op counts: ops that returned)
-  } else if (read_int(session, s_ops_run, &ran) == 0) {
-    PyObject* count = PyLong_FromLongLong(ran + 1);
-    if (count == nullptr || PyObject_SetAttr(session, s_ops_run, count) < 0) PyErr_Clear();
-    Py_XDECREF(count);
+  } else if (InstanceAttrs::read_int(session, state, s_ops_run, &ran) == 0) {
+    if (InstanceAttrs::write_int(session, state, s_ops_run, ran + 1) < 0) PyErr_Clear();
   } else {
     PyErr_Clear();
   }
 
   PyObject* outs_list = PyList_New(0);
   if (outs_list == nullptr) return nullptr;
-  held.refs.push_back(outs_list);
+  scratch.refs.push_back(outs_list);
   for (const auto& out : outs) {
     PyObject* declared_out = out_list(out);
     if (declared_out == nullptr || PyList_Append(outs_list, declared_out) < 0) {
@@ -760,7 +775,7 @@ PyObject* loop_run(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
   } else {
     ++outcomes[kRan];
   }
-  return PyObject_CallOneArg(ran_type, seq_obj);
+  return ran_op(seq_obj);
 }
 
 // learn(seq, name, eligible, fresh): after Session._run_op ran op ``name`` (frame ``seq``)
@@ -845,7 +860,11 @@ int loop_init(PyObject* obj, PyObject* args, PyObject*) {
   self->device = reinterpret_cast<THPDevice*>(device)->device;
   self->pending_seq = -1;
   self->pending_entry = nullptr;
-  return self->ext_tensor_code ? 0 : -1;
+  Py_XSETREF(self->session_dict, InstanceAttrs::dict_of(session));
+  Py_XSETREF(self->rng_dict, InstanceAttrs::dict_of(rng));
+  Py_XSETREF(self->lock_acquire, PyObject_GetAttr(rng_lock, s_acquire));
+  Py_XSETREF(self->lock_release, PyObject_GetAttr(rng_lock, s_release));
+  return self->ext_tensor_code && self->lock_acquire && self->lock_release ? 0 : -1;
 }
 
 PyObject* loop_new(PyTypeObject* type, PyObject*, PyObject*) {
@@ -866,6 +885,10 @@ int loop_traverse(PyObject* obj, visitproc visit, void* arg) {
   Py_VISIT(self->rng);
   Py_VISIT(self->rng_lock);
   Py_VISIT(self->native_adopt);
+  Py_VISIT(self->session_dict);
+  Py_VISIT(self->rng_dict);
+  Py_VISIT(self->lock_acquire);
+  Py_VISIT(self->lock_release);
   return 0;
 }
 
@@ -879,6 +902,10 @@ int loop_clear(PyObject* obj) {
   Py_CLEAR(self->device_type);
   Py_CLEAR(self->device_index);
   Py_CLEAR(self->ext_tensor_code);
+  Py_CLEAR(self->session_dict);
+  Py_CLEAR(self->rng_dict);
+  Py_CLEAR(self->lock_acquire);
+  Py_CLEAR(self->lock_release);
   return 0;
 }
 
@@ -954,10 +981,11 @@ PyMODINIT_FUNC PyInit_gpuwire_node_loop() {
                         Name{&s_bytes_in_use, "bytes_in_use"}, Name{&s_ops_run, "ops_run"}, Name{&s_adopt, "_adopt"},
                         Name{&s_allocate, "allocate"}, Name{&s_failed, "_native_loop_failed"},
                         Name{&s_acquire, "acquire"}, Name{&s_release, "release"},
-                        Name{&s_device_memory, "_device_memory"}}) {
+                        Name{&s_device_memory, "_device_memory"}, Name{&s_seq, "seq"}}) {
     *n.slot = PyUnicode_InternFromString(n.text);
     if (*n.slot == nullptr) return nullptr;
   }
+  if ((s_empty_tuple = PyTuple_New(0)) == nullptr) return nullptr;
   LoopType.tp_basicsize = sizeof(Loop);
   LoopType.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC;
   LoopType.tp_doc = "Loop(session, decode_hook, rng, rng_lock, native_adopt, device_type, device_index, device)";

@@ -14,6 +14,7 @@
 
 namespace {
 
+using gpuwire_common::InstanceAttrs;
 using gpuwire_common::int_tuple;
 using gpuwire_common::kCodes;
 using gpuwire_common::kScalarTypes;
@@ -347,9 +348,9 @@ PyObject* result_descriptor(uint64_t storage_id, c10::IntArrayRef sizes, c10::In
 }
 
 // Session._remember_view: in C++ while the cache has room, else the Python method
-int remember_view(PyObject* session, PyObject* storage_id, PyObject* data, PyObject* entry) {
-  PyObject* views = PyObject_GetAttr(session, s_views);
-  PyObject* view_keys = views ? PyObject_GetAttr(session, s_view_keys) : nullptr;
+int remember_view(PyObject* session, PyObject* state, PyObject* storage_id, PyObject* data, PyObject* entry) {
+  PyObject* views = InstanceAttrs::get(session, state, s_views);
+  PyObject* view_keys = views ? InstanceAttrs::get(session, state, s_view_keys) : nullptr;
   int rc = view_keys ? cache_view(views, view_keys, storage_id, data, entry) : -1;
   Py_XDECREF(views);
   Py_XDECREF(view_keys);
@@ -358,23 +359,6 @@ int remember_view(PyObject* session, PyObject* storage_id, PyObject* data, PyObj
     Py_XDECREF(done);
     rc = done == nullptr ? -1 : 0;
   }
-  return rc;
-}
-
-// an int attribute of the session (bytes_in_use, peak_bytes): read into *value (0) or -1
-int read_int_attr(PyObject* session, PyObject* name, long long* value) {
-  PyObject* obj = PyObject_GetAttr(session, name);
-  if (obj == nullptr) return -1;
-  *value = PyLong_AsLongLong(obj);
-  Py_DECREF(obj);
-  return *value == -1 && PyErr_Occurred() ? -1 : 0;
-}
-
-int write_int_attr(PyObject* session, PyObject* name, long long value) {
-  PyObject* obj = PyLong_FromLongLong(value);
-  if (obj == nullptr) return -1;
-  const int rc = PyObject_SetAttr(session, name, obj);
-  Py_DECREF(obj);
   return rc;
 }
 
@@ -424,8 +408,9 @@ PyObject* adopt(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
   PyObject *live = nullptr, *ptr_obj = nullptr, *storage = nullptr, *storages = nullptr, *budget = nullptr;
   PyObject* result = nullptr;
-  long long in_use = 0, peak = 0;
-  live = PyObject_GetAttr(session, s_live_ptrs);
+  int64_t in_use = 0, peak = 0;
+  PyObject* state = InstanceAttrs::dict_of(session);  // (nullptr: getattr for each)
+  live = InstanceAttrs::get(session, state, s_live_ptrs);
   if (live == nullptr || !PySet_Check(live)) goto fallback;
   ptr_obj = PyLong_FromVoidPtr(reinterpret_cast<void*>(ptr));
   if (ptr_obj == nullptr) goto done;
@@ -435,10 +420,10 @@ PyObject* adopt(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (taken) goto fallback;  // another storage of this session owns this memory: a copy
   }
   storage = PyObject_CallMethodNoArgs(tensor, s_untyped_storage);
-  storages = PyObject_GetAttr(session, s_storages);
+  storages = InstanceAttrs::get(session, state, s_storages);
   if (storage == nullptr || storages == nullptr) goto done;
   {
-    const int known = PySequence_Contains(storages, id_obj);
+    const int known = PyDict_CheckExact(storages) ? PyDict_Contains(storages, id_obj) : PySequence_Contains(storages, id_obj);
     if (known < 0) goto done;
     if (known) {
       PyObject* released = PyObject_CallMethodOneArg(session, s_release, id_obj);
@@ -446,9 +431,9 @@ PyObject* adopt(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       Py_DECREF(released);
     }
   }
-  budget = PyObject_GetAttr(session, s_memory_budget);
+  budget = InstanceAttrs::get(session, state, s_memory_budget);
   if (budget == nullptr) goto done;
-  if (read_int_attr(session, s_bytes_in_use, &in_use) < 0) goto done;  // (after _release's change)
+  if (InstanceAttrs::read_int(session, state, s_bytes_in_use, &in_use) < 0) goto done;  // (after _release's change)
   if (budget != Py_None) {
     const long long limit = PyLong_AsLongLong(budget);
     if (limit == -1 && PyErr_Occurred()) goto done;
@@ -462,8 +447,11 @@ PyObject* adopt(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   if (PyObject_SetItem(storages, id_obj, storage) < 0) goto done;
   in_use += have;
-  if (write_int_attr(session, s_bytes_in_use, in_use) < 0 || read_int_attr(session, s_peak_bytes, &peak) < 0) goto done;
-  if (in_use > peak && write_int_attr(session, s_peak_bytes, in_use) < 0) goto done;
+  if (InstanceAttrs::write_int(session, state, s_bytes_in_use, in_use) < 0 ||
+      InstanceAttrs::read_int(session, state, s_peak_bytes, &peak) < 0) {
+    goto done;
+  }
+  if (in_use > peak && InstanceAttrs::write_int(session, state, s_peak_bytes, in_use) < 0) goto done;
   if (have && PySet_Add(live, ptr_obj) < 0) goto done;
   // the client names this result next by the descriptor of exactly this layout (Session._adopt)
   if (!impl->requires_grad()) {
@@ -473,7 +461,7 @@ PyObject* adopt(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyObject* zero = PyLong_FromLong(0);
     PyObject* entry = (data && sizes && strides && zero)
                           ? PyTuple_Pack(6, id_obj, storage, tensor, sizes, strides, zero) : nullptr;
-    const int rc = entry == nullptr ? -1 : remember_view(session, id_obj, data, entry);
+    const int rc = entry == nullptr ? -1 : remember_view(session, state, id_obj, data, entry);
     Py_XDECREF(data); Py_XDECREF(sizes); Py_XDECREF(strides); Py_XDECREF(zero); Py_XDECREF(entry);
     if (rc < 0) goto done;
   }
@@ -485,6 +473,7 @@ fallback:
   Py_INCREF(result);
 done:
   Py_XDECREF(live); Py_XDECREF(ptr_obj); Py_XDECREF(storage); Py_XDECREF(storages); Py_XDECREF(budget);
+  Py_XDECREF(state);
   return result;
 }
 

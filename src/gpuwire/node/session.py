@@ -377,6 +377,36 @@ class Session:
                         self._views.pop(data, None)
                     HOST_STORAGES.release(storage)
 
+    def _free(self, storage_ids: list) -> None:
+        """``Free``: ``_release`` of each id and its cached views, inline: a client frees a
+        few hundred storages at a time, about one an op, and the method calls were half of it."""
+        storages_pop, views_pop, view_keys_pop = self.storages.pop, self._views.pop, self._view_keys.pop
+        live_discard, kept, cache_on_free = self._live_ptrs.discard, self._kept, self._cache_on_free
+        freed = 0
+        try:
+            for sid in storage_ids:
+                if type(sid) is not int:
+                    continue
+                storage = storages_pop(sid, None)
+                if storage is not None:
+                    nbytes = storage.nbytes()
+                    freed += nbytes
+                    if nbytes:
+                        ptr = storage.data_ptr()
+                        live_discard(ptr)
+                        if kept and ptr in kept:
+                            self._drop_graph(ptr)
+                        if sid in cache_on_free:
+                            cache_on_free.discard(sid)
+                            for data in view_keys_pop(sid, ()):
+                                views_pop(data, None)
+                            HOST_STORAGES.release(storage)
+                            continue
+                for data in view_keys_pop(sid, ()):
+                    views_pop(data, None)
+        finally:
+            self.bytes_in_use -= freed
+
     def keep_graph(self, handle: torch.UntypedStorage, output, inputs: list, saved_bytes: int) -> None:
         """Keep an autograd graph for a backward to come, under its handle storage, charging what
         it saved to this session; dropped when the handle is freed (``_release``). A handle that
@@ -500,12 +530,7 @@ class Session:
                 self.allocate(event.storage_id, event.nbytes, zero=not event.overwrite)
                 return None
             if cls is Free:
-                views, view_keys = self._views, self._view_keys
-                for sid in event.storage_ids:
-                    if type(sid) is int:
-                        self._release(sid)
-                        for data in view_keys.pop(sid, ()):
-                            views.pop(data, None)
+                self._free(event.storage_ids)
                 return None
             if cls is Write:
                 self._write(event)
