@@ -5,13 +5,21 @@ node's hot path, whose effect on a live step drowns in the noise of a shared 2-c
 
     python -m bench.node_replay record gpt2 60 /tmp/gpt2.bin   # a node that records, 60 steps
     python -m bench.node_replay replay /tmp/gpt2.bin 3          # node CPU per event, 3 runs
+    python -m bench.node_replay ops /tmp/gpt2.bin 3             # the native loop's ops, by name
 
 ``record`` starts a node whose connections keep every byte they receive, runs the workload
 (bench/models.py) against it and saves the session's byte stream. ``replay`` feeds that stream
 through ``Connection`` + ``Session`` in this process (no sockets, no client) and prints the
 thread CPU time per event split into decoding, kernels and the rest of ``Session.handle``,
 skipping the first 4,000 events (model set-up and warm-up; GPUWIRE_REPLAY_WARM_EVENTS sets
-another count: an MLP recording of 80 steps has ~2,700 events).
+another count: an MLP recording of 80 steps has ~2,700 events). ``ops`` times each frame the
+native op loop runs (node/loop.py), by op name, the best of the runs for each name.
+
+On a shared VM, wall and CPU times of one change swing by 2x between runs; instruction counts
+do not. For the loop's own cost (docs/performance.md, session 26):
+
+    valgrind --tool=callgrind --collect-atstart=no '--toggle-collect=*loop_run*' \
+        $(python -c 'import sys; print(sys.executable)') -m bench.node_replay replay FILE 1
 """
 
 from __future__ import annotations
@@ -140,6 +148,68 @@ def replay(path: str, runs: int) -> None:
               f"per event; node CPU {(decoding + handling) * 1e3:.0f} ms")
 
 
+def ops(path: str, runs: int) -> None:
+    import msgpack
+    import torch
+
+    from gpuwire.node import loop, native
+    from gpuwire.node import session as node_session
+    from gpuwire.node.backend import Backend
+    from gpuwire.node.ops import OpTable
+    from gpuwire.protocol.connection import CLOSED, NEED_DATA, Connection, Role
+    from gpuwire.protocol.events import Goodbye, Welcome
+
+    torch.set_num_threads(1)
+    native.install()
+    loop.install()
+    data = open(path, "rb").read()
+    backend = Backend.select("cpu")
+    rng, table = node_session.RngOwner(backend), OpTable()
+    node_session.settle_garbage_collector()
+    best: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    for _ in range(runs):
+        conn = Connection(Role.SERVER)
+        session = node_session.Session(backend, rng, table)
+        if session.op_runner is None:
+            print(f"the native op loop does not run here: {loop.status()}")
+            return
+        conn.receive_data(data)
+        conn.next_event()  # the Hello
+        seconds: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        events = [0]
+        runner = session.op_runner
+
+        def timed(raw, names, runner=runner, seconds=seconds, counts=counts):
+            started = time.perf_counter()
+            event = runner(raw, names)
+            took = time.perf_counter() - started
+            if event is not None and events[0] > WARM_EVENTS:
+                name = names[msgpack.unpackb(bytes(raw), strict_map_key=False, ext_hook=lambda code, data: None)[2]]
+                seconds[name] = seconds.get(name, 0.0) + took
+                counts[name] = counts.get(name, 0) + 1
+            return event
+
+        conn.bind(ext_hook=session.decode_hook, payload_sink=session.payload_sink, op_runner=timed)
+        conn.send(Welcome(server_version="replay", capabilities=[], session_id=session.id,
+                          device=backend.describe(), limits={}, resume={}))
+        while True:
+            event = conn.next_event()
+            events[0] += 1
+            if event is NEED_DATA or event is CLOSED or type(event) is Goodbye:
+                break
+            session.handle(event)
+        session.close()
+        for name, took in seconds.items():
+            best[name] = min(best.get(name, float("inf")), took / counts[name])
+            calls[name] = counts[name]
+    total = sum(best[name] * calls[name] for name in best)
+    print(f"{sum(calls.values())} frames the loop ran, {total * 1e3:.1f} ms (best of {runs} runs for each op)")
+    for name in sorted(best, key=lambda n: -best[n] * calls[n])[:30]:
+        print(f"{best[name] * calls[name] * 1e3:8.1f} ms {calls[name]:7d} x {best[name] * 1e6:7.1f} us  {name}")
+
+
 def main(argv: list[str]) -> int:
     if len(argv) >= 2 and argv[0] == "_node":
         _recording_node(argv[1])
@@ -147,8 +217,8 @@ def main(argv: list[str]) -> int:
     if len(argv) == 4 and argv[0] == "record":
         record(argv[1], int(argv[2]), argv[3])
         return 0
-    if len(argv) in (2, 3) and argv[0] == "replay":
-        replay(argv[1], int(argv[2]) if len(argv) == 3 else 3)
+    if len(argv) in (2, 3) and argv[0] in ("replay", "ops"):
+        (replay if argv[0] == "replay" else ops)(argv[1], int(argv[2]) if len(argv) == 3 else 3)
         return 0
     print(__doc__)
     return 2
