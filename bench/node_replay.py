@@ -121,7 +121,8 @@ def replay(path: str, runs: int) -> None:
         session = node_session.Session(backend, rng, ops)
         conn.receive_data(data)
         conn.next_event()  # the Hello
-        conn.bind(ext_hook=session.decode_hook, payload_sink=session.payload_sink, op_runner=session.op_runner)
+        conn.bind(ext_hook=session.decode_hook, payload_sink=session.payload_sink, op_runner=session.op_runner,
+                  op_frames_runner=session.op_frames_runner)
         conn.send(Welcome(server_version="replay", capabilities=[], session_id=session.id,
                           device=backend.describe(), limits={}, resume={}))
         events, decoding, handling = 0, 0.0, 0.0

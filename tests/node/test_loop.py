@@ -53,9 +53,9 @@ class Node:
         self.conn.receive_data(Connection(Role.CLIENT).send(Hello()))
         assert isinstance(self.conn.next_event(), Hello)
         self.conn.bind(ext_hook=self.session.decode_hook, payload_sink=self.session.payload_sink,
-                       op_runner=self.session.op_runner)
+                       op_runner=self.session.op_runner, op_frames_runner=self.session.op_frames_runner)
         self.conn.send(Welcome())
-        self.ran = 0  # frames the loop ran
+        self.ran = 0  # events for frames the loop ran (one for all the frames it ran at once)
 
     def feed(self, data: bytes) -> list:
         self.conn.receive_data(data)
@@ -91,7 +91,9 @@ class Pair:
         self.next_id = 0x10000
 
     def send(self, event) -> list:
-        data = self.client.send(event)
+        return self.send_bytes(self.client.send(event))
+
+    def send_bytes(self, data: bytes) -> list:
         got = self.fast.feed(data)
         assert [type(r).__name__ for r in got] == [type(r).__name__ for r in self.python.feed(data)]
         return got
@@ -110,14 +112,19 @@ class Pair:
 
     def op(self, name: str, args: list, kwargs: dict | None = None, result=None) -> tuple | None:
         """Run ``name``; ``result`` (a CPU tensor shaped like its one result) declares an output."""
+        storage_id, frame = self.op_frame(name, args, kwargs, result)
+        self.send_bytes(frame)
+        return storage_id
+
+    def op_frame(self, name: str, args: list, kwargs: dict | None = None, result=None) -> tuple:
+        """(the result's storage id or None, the frame's bytes) of an op, not sent yet."""
         outs, storage_id = [], None
         if result is not None:
             storage_id, self.next_id = self.next_id, self.next_id + 0x1000
             nbytes = result.numel() * result.element_size()
             outs = [[storage_id, nbytes, list(result.shape), list(result.stride()),
                      codec.DTYPE_CODES[str(result.dtype).removeprefix("torch.")]]]
-        self.send(Op(seq=self.next_seq(), name=name, args=args, kwargs=kwargs or {}, outs=outs))
-        return storage_id
+        return storage_id, self.client.send(Op(seq=self.next_seq(), name=name, args=args, kwargs=kwargs or {}, outs=outs))
 
     def same(self) -> None:
         assert self.fast.tables() == self.python.tables()
@@ -257,6 +264,83 @@ def test_what_the_loop_never_runs():
     pair.fast.session.replay_floor = pair.seq + 1
     out = pair.op("aten::neg", [rx], result=torch.zeros(8))
     assert pair.fast.ran == ran
+
+
+def frames_ran() -> int:
+    return node_loop.module.stats()["ran"]
+
+
+def test_frames_that_arrive_together_run_at_once_and_equal_the_python_path():
+    """A client sends its queue in one write: the loop runs the Op frames that follow one
+    another in the receive buffer in one call (one event for all of them), stops at a frame it
+    does not run (a new op: Python's), which the Python path runs, and goes on after it."""
+    pair = Pair()
+    torch.manual_seed(1)
+    x, y = torch.randn(16), torch.randn(16)
+    rx, ry = pair.upload(x), pair.upload(y)
+    expected = x.clone()
+    for i in range(2):  # the op, then its signature, learned one frame at a time
+        pair.op("aten::add_.Tensor", [rx, ry], {"alpha": 0.5})
+        expected.add_(y, alpha=0.5)
+    events, before = pair.fast.ran, frames_ran()
+    chunk = b"".join(pair.op_frame("aten::add_.Tensor", [rx, ry], {"alpha": 0.5 + i})[1] for i in range(40))
+    pair.send_bytes(chunk)
+    for i in range(40):
+        expected.add_(y, alpha=0.5 + i)
+    assert frames_ran() - before == 40
+    assert pair.fast.ran - events < 40  # (one event a millisecond of frames at most)
+    pair.same()
+    # a frame the loop does not run, between two runs of frames it does
+    pair.op("aten::add_.Tensor", [rx, ry])  # (a signature without alpha: learned by running it)
+    expected.add_(y)
+    events, before = pair.fast.ran, frames_ran()
+    parts = [pair.op_frame("aten::add_.Tensor", [rx, ry])[1] for _ in range(5)]
+    out, frame = pair.op_frame("aten::atan2", [rx, ry], result=torch.zeros(16))  # a new op
+    parts.append(frame)
+    parts += [pair.op_frame("aten::add_.Tensor", [rx, ry])[1] for _ in range(5)]
+    pair.send_bytes(b"".join(parts))
+    for _ in range(5):
+        expected.add_(y)
+    expected_atan2 = torch.atan2(expected, y)
+    for _ in range(5):
+        expected.add_(y)
+    assert frames_ran() - before == 10
+    assert 2 <= pair.fast.ran - events < 10
+    for node in (pair.fast, pair.python):
+        assert torch.equal(node.values(rx.storage_id, torch.float32, (16,)), expected)
+        assert torch.equal(node.values(out, torch.float32, (16,)), expected_atan2)
+    pair.same()
+    # frames after a failing one still run, and the failure is the same pending error
+    num = pair.upload(torch.tensor([6, 8], dtype=torch.int64))
+    den, zero = pair.upload(torch.tensor([3, 2])), pair.upload(torch.tensor([3, 0]))
+    for _ in range(2):
+        pair.op("aten::div.Tensor_mode", [num, den], {"rounding_mode": "floor"}, result=torch.zeros(2, dtype=torch.int64))
+    before = node_loop.module.stats()
+    parts = [pair.op_frame("aten::div.Tensor_mode", [num, d], {"rounding_mode": "floor"},
+                           result=torch.zeros(2, dtype=torch.int64))[1] for d in (den, zero, den)]
+    pair.send_bytes(b"".join(parts))
+    after = node_loop.module.stats()
+    assert (after["ran"] - before["ran"], after["failed"] - before["failed"]) == (1, 1)
+    assert "ZeroDivisionError" in pair.fast.session.pending_error.message
+    pair.same()  # (the frame after the failure: the Python path's, as when frames come one by one)
+
+
+def test_a_frame_cut_by_the_end_of_what_arrived_waits_for_its_rest():
+    pair = Pair()
+    x = torch.randn(8)
+    rx = pair.upload(x)
+    for _ in range(2):
+        pair.op("aten::neg_", [rx])
+    before = frames_ran()
+    chunk = b"".join(pair.op_frame("aten::neg_", [rx])[1] for _ in range(3))
+    cut = len(chunk) - 5
+    pair.send_bytes(chunk[:cut])
+    assert frames_ran() - before == 2  # the third waits for its last bytes
+    pair.send_bytes(chunk[cut:])
+    assert frames_ran() - before == 3
+    for node in (pair.fast, pair.python):
+        assert torch.equal(node.values(rx.storage_id, torch.float32, (8,)), -x)  # (five negations)
+    pair.same()
 
 
 def test_a_node_says_whether_it_runs_the_loop(node):

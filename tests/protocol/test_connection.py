@@ -1242,3 +1242,47 @@ def test_malformed_device_index_rejected(index):
 
 def test_payload_on_op_definition_rejected():
     expect_error(open_server(), frame([DEFINE_OP, 0, "aten::add"], b"junk") + frame([Sync.code, 1]))
+
+
+def test_an_op_frames_runner_takes_consecutive_op_frames_and_hands_the_rest_back():
+    """``bind(op_frames_runner=...)``: offered the receive buffer where a complete Op frame
+    starts; what it takes is consumed and replaced by the event it returns; a frame it refuses
+    is decoded as usual and not offered to ``op_runner`` a second time."""
+    client, server = open_pair()
+    offers, single = [], []
+
+    def frames_runner(buffer, start, names, max_header):
+        offers.append(start)
+        position, taken = start, []
+        while position < len(buffer):
+            header_len, payload_len = PREFIX.unpack_from(buffer, position)
+            header = msgpack.unpackb(bytes(buffer[position + PREFIX.size:position + PREFIX.size + header_len]),
+                                     strict_map_key=False, ext_hook=lambda code, data: None)
+            if header[0] != 11 or names[header[2]] != "aten::neg":
+                break  # (only neg is "native" here)
+            taken.append(header[1])
+            position += PREFIX.size + header_len
+        return (position, ("ran", taken)) if taken else None
+
+    def runner(raw, names):
+        single.append(bytes(raw))
+        return None
+
+    server.bind(op_runner=runner, op_frames_runner=frames_runner)
+    x = TensorRef(1, 0, (2,), (1,), 0)
+    data = b"".join(client.send(Op(seq=seq, name=name, args=[x], kwargs={}, outs=[]))
+                    for seq, name in [(1, "aten::neg"), (2, "aten::neg"), (3, "aten::abs"), (4, "aten::neg")])
+    data += client.send(Sync(seq=5))
+    server.receive_data(data)
+    events = drain(server)
+    assert events[0] == ("ran", [1, 2])
+    assert isinstance(events[1], Op) and events[1].name == "aten::abs" and events[1].seq == 3
+    assert events[2] == ("ran", [4])
+    assert isinstance(events[3], Sync) and len(events) == 4
+    assert single == []  # the refused frame was not offered twice
+    assert len(offers) == 3  # (at each Op frame the previous call did not take; never at the Sync)
+    # without op_runner, the frames runner is not used either
+    client, server = open_pair()
+    server.bind(op_frames_runner=frames_runner)
+    server.receive_data(client.send(Op(seq=1, name="aten::neg", args=[x], kwargs={}, outs=[])))
+    assert isinstance(server.next_event(), Op)

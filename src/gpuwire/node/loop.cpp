@@ -20,6 +20,7 @@
 
 #include "../_native_common.h"
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -61,11 +62,6 @@ enum Outcome { kRan, kNoEntry, kNotEligible, kSessionState, kArguments, kUnlearn
 const char* const outcome_names[kOutcomes] = {"ran", "new op", "not eligible", "session state", "arguments",
                                               "new signature", "no room", "device state", "run again", "failed"};
 uint64_t outcomes[kOutcomes];
-#define NOT_HERE(why)  \
-  do {                 \
-    ++outcomes[why];   \
-    Py_RETURN_NONE;    \
-  } while (0)
 PyObject* entry_index = nullptr;  // op name -> index in entries
 size_t learned_total = 0;
 
@@ -514,89 +510,83 @@ PyObject* ran_op(PyObject* seq) {
   return event;
 }
 
-// run(raw, names) -> RanOp(seq) when the Op frame ``raw`` was run (or failed and was reported
-// as Session.handle reports a failure), None when the Python path must decode and run it (then
-// nothing was done).
-PyObject* loop_run(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
-  auto* self = reinterpret_cast<Loop*>(obj);
+#define REFUSE(why)  \
+  do {               \
+    ++outcomes[why]; \
+    return 0;        \
+  } while (0)
+
+// Runs the Op frame header at [data, data + len): 1 when it was run (or failed and was reported
+// as Session.handle reports a failure), *ran_seq its seq; 0 when the Python path must decode and
+// run it (then nothing was done); -1 with a Python error.
+int run_frame(Loop* self, const unsigned char* data, size_t len, PyObject* names, int64_t* ran_seq) {
   self->pending_seq = -1;
   self->pending_entry = nullptr;
-  if (nargs != 2 || !PyList_CheckExact(args[1])) {
-    PyErr_SetString(PyExc_TypeError, "run(raw, names)");
-    return nullptr;
-  }
-  Py_buffer view;
-  if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return nullptr;
-  struct Release {
-    Py_buffer* v;
-    ~Release() { PyBuffer_Release(v); }
-  } release{&view};
   PyObject* session = self->session;
-  PyObject* names = args[1];
-  Reader r{static_cast<const unsigned char*>(view.buf), static_cast<const unsigned char*>(view.buf) + view.len};
+  Reader r{data, data + len};
   size_t fields;
   int64_t code, seq, index;
   if (!r.array(&fields) || fields != 6 || !r.integer(&code) || code != 11 || !r.integer(&seq) || seq < 0 ||
       !r.integer(&index) || index < 0 || index >= PyList_GET_SIZE(names)) {
-    NOT_HERE(kArguments);
+    REFUSE(kArguments);
   }
   PyObject* name = PyList_GET_ITEM(names, index);
   PyObject* found = PyDict_GetItemWithError(entry_index, name);  // borrowed
   if (found == nullptr) {
-    if (PyErr_Occurred()) return nullptr;
+    if (PyErr_Occurred()) return -1;
     self->pending_seq = seq;  // (learn() defines the op's entry)
     self->pending_entry = nullptr;
     self->pending_key.clear();
-    NOT_HERE(kNoEntry);
+    REFUSE(kNoEntry);
   }
   Entry* entry = entries[PyLong_AsSsize_t(found)].get();
-  if (!entry->op) NOT_HERE(kNotEligible);
+  if (!entry->op) REFUSE(kNotEligible);
 
   // the session's state: anything but the plain case is Session.handle's
   PyObject* state = self->session_dict;
   int64_t floor = 0;
-  if (InstanceAttrs::read_int(session, state, s_replay_floor, &floor) < 0) return nullptr;
-  if (seq <= floor && seq) NOT_HERE(kSessionState);
+  if (InstanceAttrs::read_int(session, state, s_replay_floor, &floor) < 0) return -1;
+  if (seq <= floor && seq) REFUSE(kSessionState);
   for (PyObject* attr : {s_unzeroed, s_decode_error, s_overwriting}) {
     const int none = InstanceAttrs::is(session, state, attr, Py_None);
-    if (none < 0) return nullptr;
-    if (!none) NOT_HERE(kSessionState);
+    if (none < 0) return -1;
+    if (!none) REFUSE(kSessionState);
   }
-  if (scratch.busy) NOT_HERE(kSessionState);  // (never: nothing it calls runs a frame)
+  if (scratch.busy) REFUSE(kSessionState);  // (never: nothing it calls runs a frame)
   Held held(scratch);
   {
     PyObject* thread = InstanceAttrs::get(session, state, s_thread);
-    if (thread == nullptr) return nullptr;
+    if (thread == nullptr) return -1;
     const unsigned long ident = thread == Py_None ? 0 : PyLong_AsUnsignedLong(thread);
     Py_DECREF(thread);
-    if (PyErr_Occurred()) return nullptr;
-    if (ident != PyThread_get_thread_ident()) NOT_HERE(kSessionState);
+    if (PyErr_Occurred()) return -1;
+    if (ident != PyThread_get_thread_ident()) REFUSE(kSessionState);
   }
 
   // arguments, by the schema
   const c10::FunctionSchema& schema = entry->op->schema();
   const auto& arguments = schema.arguments();
   size_t positional;
-  if (!r.array(&positional) || positional > arguments.size()) NOT_HERE(kArguments);
+  if (!r.array(&positional) || positional > arguments.size()) REFUSE(kArguments);
   std::vector<const unsigned char*>& at = scratch.at;
   at.assign(arguments.size(), nullptr);
   for (size_t k = 0; k < positional; ++k) {
     at[k] = r.p;
-    if (!r.skip()) NOT_HERE(kArguments);
+    if (!r.skip()) REFUSE(kArguments);
   }
   size_t keywords;
-  if (!r.map(&keywords) || keywords > arguments.size()) NOT_HERE(kArguments);
+  if (!r.map(&keywords) || keywords > arguments.size()) REFUSE(kArguments);
   for (size_t k = 0; k < keywords; ++k) {
     std::string_view key_name;
-    if (!r.str(&key_name)) NOT_HERE(kArguments);
+    if (!r.str(&key_name)) REFUSE(kArguments);
     size_t slot = positional;
     while (slot < arguments.size() && arguments[slot].name() != key_name) ++slot;
-    if (slot == arguments.size() || at[slot] != nullptr) NOT_HERE(kArguments);  // (unknown or given twice)
+    if (slot == arguments.size() || at[slot] != nullptr) REFUSE(kArguments);  // (unknown or given twice)
     at[slot] = r.p;
-    if (!r.skip()) NOT_HERE(kArguments);
+    if (!r.skip()) REFUSE(kArguments);
   }
   size_t out_count;
-  if (!r.array(&out_count) || out_count > 64) NOT_HERE(kArguments);
+  if (!r.array(&out_count) || out_count > 64) REFUSE(kArguments);
   std::vector<Out>& outs = scratch.outs;
   outs.resize(out_count);
   std::string& key = scratch.key;
@@ -604,27 +594,27 @@ PyObject* loop_run(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
   int64_t declared = 0;
   for (auto& out : outs) {
     size_t parts, dims;
-    if (!r.array(&parts) || parts != 5 || !r.integer(&out.storage_id) || out.storage_id < 0) NOT_HERE(kArguments);
+    if (!r.array(&parts) || parts != 5 || !r.integer(&out.storage_id) || out.storage_id < 0) REFUSE(kArguments);
     const unsigned char* start = r.p;
-    if (!r.integer(&out.nbytes) || out.nbytes < 0 || !r.array(&dims) || dims > 64) NOT_HERE(kArguments);
+    if (!r.integer(&out.nbytes) || out.nbytes < 0 || !r.array(&dims) || dims > 64) REFUSE(kArguments);
     out.sizes.resize(dims);
-    for (auto& v : out.sizes) if (!r.integer(&v)) NOT_HERE(kArguments);
-    if (!r.array(&dims) || dims != out.sizes.size()) NOT_HERE(kArguments);
+    for (auto& v : out.sizes) if (!r.integer(&v)) REFUSE(kArguments);
+    if (!r.array(&dims) || dims != out.sizes.size()) REFUSE(kArguments);
     out.strides.resize(dims);
-    for (auto& v : out.strides) if (!r.integer(&v)) NOT_HERE(kArguments);
-    if (!r.integer(&out.code)) NOT_HERE(kArguments);
+    for (auto& v : out.strides) if (!r.integer(&v)) REFUSE(kArguments);
+    if (!r.integer(&out.code)) REFUSE(kArguments);
     key.append(reinterpret_cast<const char*>(start), r.p - start);
     declared += out.nbytes;
   }
-  if (!r.ok || r.p != r.end) NOT_HERE(kArguments);
-  if (out_count && out_count != schema.returns().size()) NOT_HERE(kArguments);
+  if (!r.ok || r.p != r.end) REFUSE(kArguments);
+  if (out_count && out_count != schema.returns().size()) REFUSE(kArguments);
 
   torch::jit::Stack& stack = scratch.stack;
   for (size_t k = 0; k < arguments.size(); ++k) {
     key.push_back(static_cast<char>(k));
     if (at[k] == nullptr) {
       const auto& fallback = arguments[k].default_value();
-      if (!fallback) NOT_HERE(kArguments);  // (a missing argument: Python's error)
+      if (!fallback) REFUSE(kArguments);  // (a missing argument: Python's error)
       key.push_back('D');
       stack.push_back(*fallback);
       continue;
@@ -633,7 +623,7 @@ PyObject* loop_run(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
     c10::IValue converted;
     if (!convert(self, value, arguments[k].real_type(), entry->exact_numbers, &converted, key, scratch.refs)) {
       if (PyErr_Occurred()) PyErr_Clear();
-      NOT_HERE(kArguments);
+      REFUSE(kArguments);
     }
     stack.push_back(std::move(converted));
   }
@@ -644,28 +634,28 @@ PyObject* loop_run(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
     self->pending_seq = seq;
     self->pending_entry = entry;
     self->pending_key = std::move(key);
-    NOT_HERE(kUnlearned);
+    REFUSE(kUnlearned);
   }
   int64_t budget = 0, device_bytes = 0, in_use = 0;
   bool no_budget = false, no_device = false;
   if (InstanceAttrs::read_int(session, state, s_memory_budget, &budget, &no_budget) < 0 ||
       InstanceAttrs::read_int(session, state, s_device_bytes, &device_bytes, &no_device) < 0 ||
       InstanceAttrs::read_int(session, state, s_bytes_in_use, &in_use) < 0) {
-    return nullptr;
+    return -1;
   }
   if (no_budget && no_device) {  // (measured once, on a session's first need: Session._device_memory)
     PyObject* measured = PyObject_CallMethodNoArgs(session, s_device_memory);
-    if (measured == nullptr) return nullptr;
+    if (measured == nullptr) return -1;
     device_bytes = PyLong_AsLongLong(measured);
     Py_DECREF(measured);
-    if (device_bytes == -1 && PyErr_Occurred()) return nullptr;
+    if (device_bytes == -1 && PyErr_Occurred()) return -1;
   }
   const int64_t room = (no_budget ? device_bytes : budget) - in_use;
-  if (declared > room || learned->second > room) NOT_HERE(kNoRoom);  // (Python raises the OOM)
+  if (declared > room || learned->second > room) REFUSE(kNoRoom);  // (Python raises the OOM)
 
   // the device's lock and math-mode flags, as Session._run_op takes them
   PyObject* got = PyObject_CallNoArgs(self->lock_acquire);
-  if (got == nullptr) return nullptr;
+  if (got == nullptr) return -1;
   Py_DECREF(got);
   struct Unlock {
     PyObject* release;
@@ -679,12 +669,12 @@ PyObject* loop_run(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
   {
     Unlock unlock{self->lock_release};
     const int owner = InstanceAttrs::is(self->rng, self->rng_dict, s_owner, session);
-    if (owner < 0) return nullptr;
+    if (owner < 0) return -1;
     PyObject* precision = InstanceAttrs::get(session, state, s_precision);
-    if (precision == nullptr) return nullptr;
+    if (precision == nullptr) return -1;
     const bool applied = PyList_GET_SIZE(applied_precision) > 0 && PyList_GET_ITEM(applied_precision, 0) == precision;
     Py_DECREF(precision);
-    if (!owner || !applied) NOT_HERE(kDeviceState);
+    if (!owner || !applied) REFUSE(kDeviceState);
     Py_BEGIN_ALLOW_THREADS
     try {
       entry->op->callBoxed(stack);
@@ -694,7 +684,7 @@ PyObject* loop_run(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
     Py_END_ALLOW_THREADS
   }
   PyObject* seq_obj = PyLong_FromLongLong(seq);
-  if (seq_obj == nullptr) return nullptr;
+  if (seq_obj == nullptr) return -1;
   scratch.refs.push_back(seq_obj);
   int64_t ran = 0;
   if (failure) {
@@ -706,13 +696,13 @@ PyObject* loop_run(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
   }
 
   PyObject* outs_list = PyList_New(0);
-  if (outs_list == nullptr) return nullptr;
+  if (outs_list == nullptr) return -1;
   scratch.refs.push_back(outs_list);
   for (const auto& out : outs) {
     PyObject* declared_out = out_list(out);
     if (declared_out == nullptr || PyList_Append(outs_list, declared_out) < 0) {
       Py_XDECREF(declared_out);
-      return nullptr;
+      return -1;
     }
     Py_DECREF(declared_out);
   }
@@ -767,15 +757,116 @@ PyObject* loop_run(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
     Py_XDECREF(type);
     Py_XDECREF(value);
     Py_XDECREF(traceback);
-    if (reported == nullptr) return nullptr;
+    if (reported == nullptr) return -1;
     const bool again = reported == Py_False;
     Py_DECREF(reported);
-    if (again) NOT_HERE(kRerun);
+    if (again) REFUSE(kRerun);
     ++outcomes[kFailed];
   } else {
     ++outcomes[kRan];
   }
-  return ran_op(seq_obj);
+  *ran_seq = seq;
+  return 1;
+}
+
+struct BufferView {  // a Python buffer held for a scope
+  Py_buffer view;
+  bool held = false;
+  ~BufferView() {
+    if (held) PyBuffer_Release(&view);
+  }
+  bool get(PyObject* obj) {
+    held = PyObject_GetBuffer(obj, &view, PyBUF_SIMPLE) == 0;
+    return held;
+  }
+  const unsigned char* data() const { return static_cast<const unsigned char*>(view.buf); }
+};
+
+// run(raw, names) -> RanOp(seq) when the Op frame ``raw`` was run (or failed and was reported
+// as Session.handle reports a failure), None when the Python path must decode and run it (then
+// nothing was done).
+PyObject* loop_run(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
+  auto* self = reinterpret_cast<Loop*>(obj);
+  if (nargs != 2 || !PyList_CheckExact(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "run(raw, names)");
+    return nullptr;
+  }
+  BufferView raw;
+  if (!raw.get(args[0])) return nullptr;
+  int64_t seq = -1;
+  const int ran = run_frame(self, raw.data(), static_cast<size_t>(raw.view.len), args[1], &seq);
+  if (ran < 0) return nullptr;
+  if (ran == 0) Py_RETURN_NONE;
+  PyObject* seq_obj = PyLong_FromLongLong(seq);
+  if (seq_obj == nullptr) return nullptr;
+  PyObject* event = ran_op(seq_obj);
+  Py_DECREF(seq_obj);
+  return event;
+}
+
+// run_frames(buffer, start, names, max_header) -> (position, RanOp(seq of the last)) after
+// running the complete Op frames that follow one another in ``buffer`` from ``start`` (the
+// connection's receive buffer: 12-byte prefix, header, no payload), or None when the first was
+// not run (the Python path decodes it; run() would refuse it too). It stops at the first frame
+// it does not run, at an incomplete one, at one the connection would compact its buffer for,
+// and after ``kBatchSeconds``: the session loop checks its quantum between the events it gets,
+// and a RanOp per frame cost each frame ~1 us of Python (next_event, the session loop).
+// A Python error (a bug: a failing op is the session's pending error) is raised at once, as
+// run() raises it: the node then ends the session with an internal error (server.py), so the
+// frames of this call that ran are never offered again.
+constexpr double kBatchSeconds = 0.001;
+constexpr size_t kPrefixBytes = 12;  // protocol/connection.py's PREFIX: "!IQ", header and payload lengths
+
+uint64_t read_be(const unsigned char* p, int n) {
+  uint64_t v = 0;
+  for (int i = 0; i < n; ++i) v = (v << 8) | p[i];
+  return v;
+}
+
+PyObject* loop_run_frames(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
+  auto* self = reinterpret_cast<Loop*>(obj);
+  if (nargs != 4 || !PyList_CheckExact(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "run_frames(buffer, start, names, max_header)");
+    return nullptr;
+  }
+  const Py_ssize_t start = PyLong_AsSsize_t(args[1]);
+  const Py_ssize_t max_header = PyLong_AsSsize_t(args[3]);
+  if (PyErr_Occurred()) return nullptr;
+  BufferView buffer;
+  if (!buffer.get(args[0])) return nullptr;
+  const unsigned char* data = buffer.data();
+  const auto length = static_cast<size_t>(buffer.view.len);
+  if (start < 0 || static_cast<size_t>(start) > length) {
+    PyErr_SetString(PyExc_ValueError, "run_frames: start outside the buffer");
+    return nullptr;
+  }
+  const auto began = std::chrono::steady_clock::now();
+  size_t position = static_cast<size_t>(start);
+  int64_t last_seq = -1;
+  size_t frames = 0;
+  while (length - position >= kPrefixBytes) {
+    const uint64_t header_len = read_be(data + position, 4);
+    const uint64_t payload_len = read_be(data + position + 4, 8);
+    if (payload_len != 0 || header_len < 2 || header_len > static_cast<uint64_t>(max_header)) break;
+    const size_t end = position + kPrefixBytes + static_cast<size_t>(header_len);
+    if (end > length || (end > (size_t{1} << 20) && end * 2 > length)) break;
+    const unsigned char* header = data + position + kPrefixBytes;
+    if (header[0] != 0x96 || header[1] != 0x0b) break;  // not [Op, ...]: connection.py's _OP_HEAD
+    int64_t seq = -1;
+    const int ran = run_frame(self, header, static_cast<size_t>(header_len), args[2], &seq);
+    if (ran < 0) return nullptr;
+    if (ran == 0) break;
+    position = end;
+    last_seq = seq;
+    ++frames;
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count() > kBatchSeconds) break;
+  }
+  if (frames == 0) Py_RETURN_NONE;
+  PyObject* seq_obj = PyLong_FromLongLong(last_seq);
+  PyObject* event = seq_obj ? ran_op(seq_obj) : nullptr;
+  Py_XDECREF(seq_obj);
+  if (event == nullptr) return nullptr;
+  return Py_BuildValue("(nN)", static_cast<Py_ssize_t>(position), event);
 }
 
 // learn(seq, name, eligible, fresh): after Session._run_op ran op ``name`` (frame ``seq``)
@@ -919,6 +1010,9 @@ void loop_dealloc(PyObject* obj) {
 PyMethodDef loop_methods[] = {
     {"run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(loop_run)), METH_FASTCALL,
      "run(raw, names) -> RanOp, or None where Session.handle must run the frame."},
+    {"run_frames", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(loop_run_frames)), METH_FASTCALL,
+     "run_frames(buffer, start, names, max_header) -> (position, RanOp of the last), or None: the Op frames "
+     "that follow one another from start, run until one is not."},
     {"learn", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(loop_learn)), METH_FASTCALL,
      "learn(seq, name, eligible, fresh): the Python path ran this frame's op without error."},
     {nullptr, nullptr, 0, nullptr}};

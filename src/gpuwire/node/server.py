@@ -243,7 +243,8 @@ class NodeServer:
             session.peer = peer
             session.parked_until = None
             self._sockets[session.id] = sock
-            conn.bind(ext_hook=session.decode_hook, payload_sink=session.payload_sink, op_runner=session.op_runner)
+            conn.bind(ext_hook=session.decode_hook, payload_sink=session.payload_sink, op_runner=session.op_runner,
+                      op_frames_runner=session.op_frames_runner)
             session.conn = conn
             if resumed:
                 conn.continue_decoding_from(session.peer_op_names)

@@ -209,6 +209,8 @@ class Session:
             self._loop = node_loop.module.Loop(self, self.decode_hook, rng, rng.lock, self._native_adopt,
                                                device_type, self._device_index, self.device)
         self.op_runner = self._loop.run if self._loop is not None else None
+        # ... and the frames that follow one another in the receive buffer, run at once
+        self.op_frames_runner = self._loop.run_frames if self._loop is not None else None
 
     # ------------------------------------------------------------ decoding hooks
 
@@ -503,7 +505,7 @@ class Session:
         self._live_ptrs.clear()
         self.bytes_in_use = 0
         self.rng.release(self)
-        self._loop = self.op_runner = None  # (the loop holds the session: no cycle outlives it)
+        self._loop = self.op_runner = self.op_frames_runner = None  # (the loop holds the session: no cycle outlives it)
 
     # ------------------------------------------------------------ events
 

@@ -126,6 +126,7 @@ class Connection:
         self._packing = False  # see ``_pack``
         self._ext_hook = ext_hook or codec.ext_hook
         self._op_runner = None  # see ``bind``
+        self._op_frames_runner = None
         self._buffer = bytearray()
         self._pos = 0
         self._eof = False
@@ -250,17 +251,22 @@ class Connection:
             raise ProtocolError("too many distinct op names on one connection")
         self._op_names = list(names)
 
-    def bind(self, *, ext_hook=None, payload_sink=None, op_runner=None) -> None:
+    def bind(self, *, ext_hook=None, payload_sink=None, op_runner=None, op_frames_runner=None) -> None:
         """Attach the application's decoding hooks once it knows who the peer is (a node learns
         from the Hello whether the connection starts a session or resumes one).
 
         ``op_runner(raw_header, op_names)``: offered each complete ``Op`` frame's header bytes
         before they are decoded; it returns the event to hand out in its place (the node's
         native loop ran the op from the bytes: node/loop.py), or None and the frame is decoded
-        as usual. The protocol itself stays pure: the hook is the application's."""
+        as usual. ``op_frames_runner(buffer, start, op_names, max_header)`` (with ``op_runner``):
+        offered the receive buffer where a complete ``Op`` frame starts; it may take several
+        frames at once and returns (the position after the last one it took, the event for
+        them), or None when it took none, and that frame is decoded as usual. The protocol
+        itself stays pure: the hooks are the application's."""
         self._ext_hook = ext_hook or codec.ext_hook
         self._payload_sink = payload_sink
         self._op_runner = op_runner
+        self._op_frames_runner = op_frames_runner if op_runner is not None else None
 
     def adopt_op_names(self, names: list[str]) -> bytes:
         """Take ``names`` as our outgoing table (a node handing a client's session to another
@@ -359,10 +365,18 @@ class Connection:
                 end = start + _PREFIX_SIZE + header_len
                 if (not payload_len and 0 < header_len <= self._max_header and end <= len(buf)
                         and not (end > (1 << 20) and end * 2 > len(buf))):
+                    runner = self._op_runner
+                    offer = (runner is not None and self.state is _OPEN
+                             and buf.startswith(_OP_HEAD, start + _PREFIX_SIZE))
+                    if offer and self._op_frames_runner is not None:
+                        ran = self._op_frames_runner(buf, start, self._op_names, self._max_header)
+                        if ran is not None:
+                            self._pos, event = ran
+                            return event
+                        offer = False  # (it refused this frame: so would ``runner``)
                     raw_header = buf[start + _PREFIX_SIZE:end]
                     self._pos = end  # consumed before decoding: a bad frame is never seen twice
-                    runner = self._op_runner
-                    if runner is not None and raw_header.startswith(_OP_HEAD) and self.state is _OPEN:
+                    if offer:
                         event = runner(raw_header, self._op_names)
                         if event is not None:
                             return event
