@@ -8,12 +8,15 @@ node's hot path, whose effect on a live step drowns in the noise of a shared 2-c
     python -m bench.node_replay ops /tmp/gpt2.bin 3             # the native loop's ops, by name
 
 ``record`` starts a node whose connections keep every byte they receive, runs the workload
-(bench/models.py) against it and saves the session's byte stream. ``replay`` feeds that stream
-through ``Connection`` + ``Session`` in this process (no sockets, no client) and prints the
-thread CPU time per event split into decoding, kernels and the rest of ``Session.handle``,
-skipping the first 4,000 events (model set-up and warm-up; GPUWIRE_REPLAY_WARM_EVENTS sets
-another count: an MLP recording of 80 steps has ~2,700 events). ``ops`` times each frame the
-native op loop runs (node/loop.py), by op name, the best of the runs for each name.
+(bench/models.py) against it and saves the session's byte stream (GPUWIRE_REPLAY_BACKEND=cuda:
+a CUDA node, for recording and replaying; GPUWIRE_REPLAY_AMP=bf16: the steps under autocast).
+``replay`` feeds that stream through ``Connection`` + ``Session`` in this process (no sockets,
+no client), as a served connection is bound, and prints the thread CPU time per frame split
+into decoding (the frames the native op loop runs included), the kernels of the Python path
+and the rest of ``Session.handle``, skipping the first 4,000 frames (model set-up and warm-up;
+GPUWIRE_REPLAY_WARM_EVENTS sets another count: an MLP recording of 80 steps has ~2,700).
+``ops`` times each frame the native op loop runs (node/loop.py), by op name, the best of the
+runs for each name. On a CUDA node the times are the host's: launches, not kernels.
 
 On a shared VM, wall and CPU times of one change swing by 2x between runs; instruction counts
 do not. For the loop's own cost (docs/performance.md, session 26):
@@ -30,6 +33,11 @@ import sys
 import time
 
 WARM_EVENTS = int(os.environ.get("GPUWIRE_REPLAY_WARM_EVENTS", "4000"))  # model set-up and warm-up
+# the node's backend, for recording and replaying alike (a recording made against a CPU node
+# declares CPU layouts: record on the machine and backend you replay on)
+BACKEND = os.environ.get("GPUWIRE_REPLAY_BACKEND", "cpu")
+# "bf16": the recorded steps run under torch.autocast (a host-bound step on a GPU)
+AMP = os.environ.get("GPUWIRE_REPLAY_AMP", "")
 
 
 def _recording_node(out: str) -> None:
@@ -67,15 +75,21 @@ def record(kind: str, steps: int, out: str) -> None:
     from bench.common import Child
     from bench.models import Workload
 
+    if AMP not in ("", "bf16"):
+        raise SystemExit(f"GPUWIRE_REPLAY_AMP={AMP!r}: bf16, or unset")
     torch.set_num_threads(1)
     node = Child([sys.executable, "-m", "bench.node_replay", "_node", out, "serve", "--host", "127.0.0.1",
-                  "--port", "0", "--backend", "cpu", "--threads", "1", "--log-level", "warning",
+                  "--port", "0", "--backend", BACKEND, "--threads", "1", "--log-level", "warning",
                   "--exit-with-stdin"], what="recording node", env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
     try:
         gpuwire.attach(node.address)
         workload = Workload(kind, torch.device("gpuwire"))
         for _ in range(steps):
-            workload.step()
+            if AMP:
+                with torch.autocast("gpuwire", dtype=torch.bfloat16):
+                    workload.step()
+            else:
+                workload.step()
         os.kill(node.pid, signal.SIGUSR1)
         time.sleep(1.0)
         print(f"{os.path.getsize(out)} bytes of {steps} {kind} steps in {out}")
@@ -113,7 +127,7 @@ def replay(path: str, runs: int) -> None:
     native.install()
     from gpuwire.node import loop
     print(f"node helpers: {native.status()}, op loop: {loop.status()}")
-    backend = Backend.select("cpu")
+    backend = Backend.select(BACKEND)
     rng, ops = node_session.RngOwner(backend), OpTable()
     node_session.settle_garbage_collector()  # as a serving node's process does once it listens
     for _ in range(runs):
@@ -125,8 +139,10 @@ def replay(path: str, runs: int) -> None:
                   op_frames_runner=session.op_frames_runner)
         conn.send(Welcome(server_version="replay", capabilities=[], session_id=session.id,
                           device=backend.describe(), limits={}, resume={}))
-        events, decoding, handling = 0, 0.0, 0.0
+        frames, decoding, handling, counted, loop_frames, calls = 0, 0.0, 0.0, 0, 0, 0
+        warm = True
         clock = time.thread_time
+        ran_before = _loop_frames(loop)
         while True:
             t0 = clock()
             event = conn.next_event()
@@ -135,18 +151,39 @@ def replay(path: str, runs: int) -> None:
                 break
             session.handle(event)
             t2 = clock()
-            events += 1
-            if events == WARM_EVENTS:
-                kernel_seconds[0] = 0.0
-            elif events > WARM_EVENTS:
+            # frames, not events: one RanOp stands for all the Op frames the loop ran in one call
+            ran = 1
+            if type(event) is node_session.RanOp:
+                ran_now = _loop_frames(loop)
+                ran, ran_before = ran_now - ran_before, ran_now
+            frames += ran
+            if warm:
+                if frames >= WARM_EVENTS:
+                    warm = False
+                    kernel_seconds[0] = 0.0
+            else:
                 decoding += t1 - t0
                 handling += t2 - t1
+                counted += ran
+                if type(event) is node_session.RanOp:
+                    loop_frames += ran
+                    calls += 1
         session.close()
-        counted = max(events - WARM_EVENTS, 1)
+        backend.synchronize()  # (on a GPU the kernels queued by the host time above)
+        counted = max(counted, 1)
         kernels = kernel_seconds[0]
-        print(f"{counted} events: decode {decoding / counted * 1e6:.1f} us, handle {handling / counted * 1e6:.1f} us "
-              f"(kernels {kernels / counted * 1e6:.1f}, the rest {(handling - kernels) / counted * 1e6:.1f}) "
-              f"per event; node CPU {(decoding + handling) * 1e3:.0f} ms")
+        print(f"{counted} frames ({loop_frames} run by the op loop, in {calls} calls): decode "
+              f"{decoding / counted * 1e6:.1f} us (the loop's frames included), handle {handling / counted * 1e6:.1f} us "
+              f"(Python-path kernels {kernels / counted * 1e6:.1f}, the rest {(handling - kernels) / counted * 1e6:.1f}) "
+              f"per frame; node CPU {(decoding + handling) * 1e3:.0f} ms")
+
+
+def _loop_frames(loop) -> int:
+    """Op frames the native loop has run in this process (failed ones included)."""
+    if loop.module is None:
+        return 0
+    stats = loop.module.stats()
+    return stats["ran"] + stats["failed"]
 
 
 def ops(path: str, runs: int) -> None:
@@ -164,7 +201,7 @@ def ops(path: str, runs: int) -> None:
     native.install()
     loop.install()
     data = open(path, "rb").read()
-    backend = Backend.select("cpu")
+    backend = Backend.select(BACKEND)
     rng, table = node_session.RngOwner(backend), OpTable()
     node_session.settle_garbage_collector()
     best: dict[str, float] = {}

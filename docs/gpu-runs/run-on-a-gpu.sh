@@ -19,4 +19,13 @@ done
 [ -n "$WITH_PROFILE" ] && timeout 60 python3 -m bench.gpu_profile --out $OUT 2>&1 | tail -4
 # the bench again: the GPU host's own noise between the two (the bf16 step is issue-bound)
 [ -n "$BENCH_TWICE" ] && timeout 150 python3 -m bench --only gpu --out $OUT/again 2>&1 | tail -9 | tee $OUT/bench-again.log
+# NODE_REPLAY=1: the node's host cost per frame on this GPU, on a recording of the tiny GPT-2 under bf16
+# autocast (host-bound here): CPU per frame and the native loop's frames by op name (session 26)
+if [ -n "$NODE_REPLAY" ]; then
+  export GPUWIRE_REPLAY_BACKEND=cuda GPUWIRE_REPLAY_AMP=bf16
+  timeout 120 python3 -m bench.node_replay record gpt2 60 /tmp/gpt2-bf16.bin 2>&1 | tail -1
+  timeout 90 python3 -m bench.node_replay replay /tmp/gpt2-bf16.bin 3 2>&1 | tail -3 | tee $OUT/node-replay.txt
+  timeout 90 python3 -m bench.node_replay ops /tmp/gpt2-bf16.bin 3 2>&1 | head -25 | tee -a $OUT/node-replay.txt
+  unset GPUWIRE_REPLAY_BACKEND GPUWIRE_REPLAY_AMP
+fi
 rm -rf $OUT/node-profile
