@@ -97,16 +97,54 @@ def record(kind: str, steps: int, out: str) -> None:
         node.kill()
 
 
-def replay(path: str, runs: int) -> None:
+def _replay_node():
+    """(backend, generator owner, op table) of a node in this process, its helpers installed and
+    its collector settled as a serving node's process does once it listens."""
     import torch
 
+    from gpuwire.node import loop, native
     from gpuwire.node import session as node_session
     from gpuwire.node.backend import Backend
     from gpuwire.node.ops import OpTable
-    from gpuwire.protocol.connection import CLOSED, NEED_DATA, Connection, Role
-    from gpuwire.protocol.events import Goodbye, Welcome
 
     torch.set_num_threads(1)
+    native.install()
+    loop.install()
+    backend = Backend.select(BACKEND)
+    rng, table = node_session.RngOwner(backend), OpTable()
+    node_session.settle_garbage_collector()
+    return backend, rng, table
+
+
+def _replay_session(data: bytes, node, wrap=None):
+    """A fresh session on ``node`` (``_replay_node``) and the server connection holding the
+    recording ``data``, past its Hello, its op runners bound as a served connection binds them;
+    ``wrap``: bind ``wrap(session.op_runner)`` alone instead (one frame a call)."""
+    from gpuwire.node import session as node_session
+    from gpuwire.protocol.connection import Connection, Role
+    from gpuwire.protocol.events import Welcome
+
+    backend, rng, table = node
+    conn = Connection(Role.SERVER)
+    session = node_session.Session(backend, rng, table)
+    conn.receive_data(data)
+    conn.next_event()  # the Hello
+    if wrap is None:
+        hooks = {"op_runner": session.op_runner, "op_frames_runner": session.op_frames_runner}
+    else:
+        hooks = {"op_runner": wrap(session.op_runner)}
+    conn.bind(ext_hook=session.decode_hook, payload_sink=session.payload_sink, **hooks)
+    conn.send(Welcome(server_version="replay", capabilities=[], session_id=session.id,
+                      device=backend.describe(), limits={}, resume={}))
+    return conn, session
+
+
+def replay(path: str, runs: int) -> None:
+    from gpuwire.node import loop, native
+    from gpuwire.node import session as node_session
+    from gpuwire.protocol.connection import CLOSED, NEED_DATA
+    from gpuwire.protocol.events import Goodbye
+
     kernel_seconds = [0.0]
     direct = node_session._direct
 
@@ -123,22 +161,10 @@ def replay(path: str, runs: int) -> None:
 
     node_session._direct = timed_direct
     data = open(path, "rb").read()
-    from gpuwire.node import native
-    native.install()
-    from gpuwire.node import loop
+    node = _replay_node()
     print(f"node helpers: {native.status()}, op loop: {loop.status()}")
-    backend = Backend.select(BACKEND)
-    rng, ops = node_session.RngOwner(backend), OpTable()
-    node_session.settle_garbage_collector()  # as a serving node's process does once it listens
     for _ in range(runs):
-        conn = Connection(Role.SERVER)
-        session = node_session.Session(backend, rng, ops)
-        conn.receive_data(data)
-        conn.next_event()  # the Hello
-        conn.bind(ext_hook=session.decode_hook, payload_sink=session.payload_sink, op_runner=session.op_runner,
-                  op_frames_runner=session.op_frames_runner)
-        conn.send(Welcome(server_version="replay", capabilities=[], session_id=session.id,
-                          device=backend.describe(), limits={}, resume={}))
+        conn, session = _replay_session(data, node)
         frames, decoding, handling, counted, loop_frames, calls = 0, 0.0, 0.0, 0, 0, 0
         warm = True
         clock = time.thread_time
@@ -169,7 +195,7 @@ def replay(path: str, runs: int) -> None:
                     loop_frames += ran
                     calls += 1
         session.close()
-        backend.synchronize()  # (on a GPU the kernels queued by the host time above)
+        node[0].synchronize()  # (on a GPU the kernels queued by the host time above)
         counted = max(counted, 1)
         kernels = kernel_seconds[0]
         print(f"{counted} frames ({loop_frames} run by the op loop, in {calls} calls): decode "
@@ -188,50 +214,37 @@ def _loop_frames(loop) -> int:
 
 def ops(path: str, runs: int) -> None:
     import msgpack
-    import torch
 
-    from gpuwire.node import loop, native
-    from gpuwire.node import session as node_session
-    from gpuwire.node.backend import Backend
-    from gpuwire.node.ops import OpTable
-    from gpuwire.protocol.connection import CLOSED, NEED_DATA, Connection, Role
-    from gpuwire.protocol.events import Goodbye, Welcome
+    from gpuwire.node import loop
+    from gpuwire.protocol.connection import CLOSED, NEED_DATA
+    from gpuwire.protocol.events import Goodbye
 
-    torch.set_num_threads(1)
-    native.install()
-    loop.install()
     data = open(path, "rb").read()
-    backend = Backend.select(BACKEND)
-    rng, table = node_session.RngOwner(backend), OpTable()
-    node_session.settle_garbage_collector()
+    node = _replay_node()
+    if loop.module is None:
+        print(f"the native op loop does not run here: {loop.status()}")
+        return
     best: dict[str, float] = {}
     calls: dict[str, int] = {}
     for _ in range(runs):
-        conn = Connection(Role.SERVER)
-        session = node_session.Session(backend, rng, table)
-        if session.op_runner is None:
-            print(f"the native op loop does not run here: {loop.status()}")
-            return
-        conn.receive_data(data)
-        conn.next_event()  # the Hello
         seconds: dict[str, float] = {}
         counts: dict[str, int] = {}
         events = [0]
-        runner = session.op_runner
 
-        def timed(raw, names, runner=runner, seconds=seconds, counts=counts):
-            started = time.perf_counter()
-            event = runner(raw, names)
-            took = time.perf_counter() - started
-            if event is not None and events[0] > WARM_EVENTS:
-                name = names[msgpack.unpackb(bytes(raw), strict_map_key=False, ext_hook=lambda code, data: None)[2]]
-                seconds[name] = seconds.get(name, 0.0) + took
-                counts[name] = counts.get(name, 0) + 1
-            return event
+        def timing(runner, seconds=seconds, counts=counts):
+            def timed(raw, names):
+                started = time.perf_counter()
+                event = runner(raw, names)
+                took = time.perf_counter() - started
+                if event is not None and events[0] > WARM_EVENTS:
+                    header = msgpack.unpackb(bytes(raw), strict_map_key=False, ext_hook=lambda code, data: None)
+                    name = names[header[2]]
+                    seconds[name] = seconds.get(name, 0.0) + took
+                    counts[name] = counts.get(name, 0) + 1
+                return event
+            return timed
 
-        conn.bind(ext_hook=session.decode_hook, payload_sink=session.payload_sink, op_runner=timed)
-        conn.send(Welcome(server_version="replay", capabilities=[], session_id=session.id,
-                          device=backend.describe(), limits={}, resume={}))
+        conn, session = _replay_session(data, node, wrap=timing)
         while True:
             event = conn.next_event()
             events[0] += 1

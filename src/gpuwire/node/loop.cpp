@@ -817,12 +817,6 @@ PyObject* loop_run(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
 constexpr double kBatchSeconds = 0.001;
 constexpr size_t kPrefixBytes = 12;  // protocol/connection.py's PREFIX: "!IQ", header and payload lengths
 
-uint64_t read_be(const unsigned char* p, int n) {
-  uint64_t v = 0;
-  for (int i = 0; i < n; ++i) v = (v << 8) | p[i];
-  return v;
-}
-
 PyObject* loop_run_frames(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
   auto* self = reinterpret_cast<Loop*>(obj);
   if (nargs != 4 || !PyList_CheckExact(args[2])) {
@@ -845,8 +839,9 @@ PyObject* loop_run_frames(PyObject* obj, PyObject* const* args, Py_ssize_t nargs
   int64_t last_seq = -1;
   size_t frames = 0;
   while (length - position >= kPrefixBytes) {
-    const uint64_t header_len = read_be(data + position, 4);
-    const uint64_t payload_len = read_be(data + position + 4, 8);
+    Reader prefix{data + position, data + length};
+    const uint64_t header_len = prefix.be(4);
+    const uint64_t payload_len = prefix.be(8);
     if (payload_len != 0 || header_len < 2 || header_len > static_cast<uint64_t>(max_header)) break;
     const size_t end = position + kPrefixBytes + static_cast<size_t>(header_len);
     if (end > length || (end > (size_t{1} << 20) && end * 2 > length)) break;
