@@ -19,6 +19,10 @@ NAME = "step_ratio"
 DESCRIPTION = "training step time remote (CPU-backend node on loopback) / local CPU, medians, interleaved"
 
 
+# The bounds on remote / local step time.
+RATIO_TARGET = {"mlp": 1.25, "cnn": 1.10, "gpt2": 1.10}
+
+
 def timed(w: Workload) -> float:
     t0 = time.perf_counter()
     w.step()
@@ -42,7 +46,10 @@ def run(ctx, result) -> None:
                 rt.append(timed(remote))
             lm, rm = median(lt) * 1e3, median(rt) * 1e3
             (l25, l75), (r25, r75) = quantiles(lt), quantiles(rt)
+            bound = RATIO_TARGET.get(kind)
             result.add(f"{kind}: step time", rm, "ms", lm, baseline_label="local CPU ms",
+                       target=None if bound is None else f"<= {bound:g}x local",
+                       ok=None if bound is None else rm <= bound * lm,
                        note=f"{DESCRIPTIONS[kind]}; IQR remote {r25 * 1e3:.2f}-{r75 * 1e3:.2f} ms, "
                             f"local {l25 * 1e3:.2f}-{l75 * 1e3:.2f} ms")
             del local, remote
