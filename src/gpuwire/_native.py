@@ -47,7 +47,9 @@ def library_path(source: Path, module: str) -> Path:
     """Where ``source`` built as ``module`` lives: one per source, torch build and Python build."""
     digest = hashlib.sha256()
     for part in (source.read_bytes(), COMMON.read_bytes(), torch.__version__.encode(), torch.__file__.encode(),
-                 str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(), sys.version.encode(), sys.executable.encode()):
+                 str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(), sys.version.encode(),
+                 # (resolved: ``python`` and ``python3.11`` of one install share a build)
+                 os.path.realpath(sys.executable).encode()):
         digest.update(part)
     return cache_dir() / f"{module}-{digest.hexdigest()[:16]}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
 

@@ -174,6 +174,13 @@ def run(argv: list[str], *, node: str | None, token: str | None, cuda_compat: bo
     bin_dir, bin_dir_is_temporary = _nvidia_smi_dir()
     env = dict(os.environ)
     env.update(GPUWIRE_NODE=node, GPUWIRE_RUN="1", GPUWIRE_CUDA_COMPAT="1" if cuda_compat else "0")
+    if starting and not os.environ.get("GPUWIRE_CONNECT_TIMEOUT"):
+        # the program's first connection waits for the node's start as long as this launcher
+        # does (it kills the program should the node fail): a first start on a machine builds
+        # the node's C++ helpers, and the client's default 10 s ended such a run with "did not
+        # answer the gpuwire handshake". A later reconnect to this local node is refused at once
+        # if it is gone, so the longer wait costs nothing there.
+        env["GPUWIRE_CONNECT_TIMEOUT"] = f"{embedded_module.STARTUP_TIMEOUT:g}"
     if token:
         env["GPUWIRE_TOKEN"] = token
     if token_file:

@@ -506,3 +506,36 @@ def test_quiet_run_with_an_embedded_node_says_nothing():
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "6.0"
     assert "gpuwire:" not in done.stderr, done.stderr  # (the embedded node's start was still said)
+
+
+SLOW_NODE_COMPILER = """#!/bin/sh
+# the system's compiler, 14 s slower for the node's helpers: a node whose first start on a
+# machine takes longer than a client's default 10 s handshake wait
+case "$*" in *"/node/"*) sleep 14;; esac
+exec "${REAL_CXX:-c++}" "$@"
+"""
+
+
+def test_first_run_on_a_machine_waits_for_the_embedded_node_to_build_its_helpers(tmp_path):
+    # The README's first command on a fresh machine: the embedded node builds its C++ helpers
+    # before it answers, while the program (started beside it) is already connecting. That
+    # program gave up after 10 s with "did not answer the gpuwire handshake".
+    compiler = tmp_path / "slow-c++"
+    compiler.write_text(SLOW_NODE_COMPILER)
+    compiler.chmod(0o755)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    from gpuwire import _native
+    for built in _native.cache_dir().glob("gpuwire_[an]*"):  # the client's helpers, if built: only the node's build
+        if built.name.startswith(("gpuwire_native-", "gpuwire_autocast-")) and built.suffix == ".so":
+            (cache / built.name).write_bytes(built.read_bytes())
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUWIRE_NODE", "GPUWIRE_TOKEN", "GPUWIRE_CONNECT_TIMEOUT")}
+    env.update(CXX=str(compiler), GPUWIRE_CACHE_DIR=str(cache))
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "gpuwire", "run", "-q", "--", sys.executable, "-c",
+                           "import torch; print((torch.ones(3, device='cuda') * 2).sum().item())"],
+                          capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "6.0"
+    assert time.monotonic() - started > 14  # (the node's build did take its 14 s)
+    assert list(cache.glob("gpuwire_node_native-*.so")) and list(cache.glob("gpuwire_node_loop-*.so"))

@@ -18,7 +18,9 @@ import threading
 
 _process: subprocess.Popen | None = None
 _lock = threading.Lock()
-STARTUP_TIMEOUT = 60.0
+# how long a starting node may take to say it listens; its first start on a machine builds its
+# C++ helpers (src/gpuwire/_native.py), 15-35 s on a busy 2-core VM where a start is otherwise ~3 s
+STARTUP_TIMEOUT = 120.0
 
 
 class EmbeddedNodeFailed(RuntimeError):

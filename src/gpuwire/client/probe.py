@@ -80,7 +80,8 @@ def handshake(sock: socket.socket, conn: Connection, hello: Hello, address: str,
     except (socket.timeout, TimeoutError):
         sock.close()
         raise NodeUnreachable(f"{address} accepted the connection but did not answer the gpuwire "
-                              f"handshake within {timeout:g} s; is it a gpuwire node?") from None
+                              f"handshake within {timeout:g} s; is it a gpuwire node? (one still starting "
+                              "may need longer: GPUWIRE_CONNECT_TIMEOUT=SECONDS)") from None
     except (ProtocolError, ConnectionLost, OSError) as exc:
         sock.close()
         if isinstance(exc, VersionMismatch):
