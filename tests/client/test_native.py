@@ -500,3 +500,28 @@ def test_the_ranks_of_a_multi_process_job_keep_the_python_op_kernels_unless_aske
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         assert client_device._native_ops_wanted() is wanted, env
+
+
+@needs_a_compiler
+def test_the_native_scan_finds_exactly_the_dead_storages(device):
+    # ``_collect_garbage`` frees on the node what the C scan reports dead: one too many frees a
+    # live tensor's memory, one too few leaks it
+    from gpuwire.client import runtime
+    from gpuwire.client.device import current_runtime
+    assert native.install() and runtime._dead_storage_ids is native.module.dead_storage_ids
+    kept = [torch.full((3,), float(i)).to(device) for i in range(300)]
+    views = [t[1:] for t in kept[::7]]  # a view alone keeps its storage alive
+    rt = current_runtime()
+    ours = {t.untyped_storage().data_ptr() for t in kept}
+    with rt.lock:
+        rt._collect_garbage()
+        del kept[::2]  # half the tensors die (some of them still have a view)
+        dead = native.module.dead_storage_ids(rt._live)
+        assert sorted(dead) == sorted(sid for sid, ref in rt._live.items() if torch.UntypedStorage._expired(ref))
+        alive = {t.untyped_storage().data_ptr() for t in kept + views}
+        assert set(dead) & ours == ours - alive and len(ours - alive) > 100
+        rt._collect_garbage()
+        assert not alive - set(rt._live)
+    assert [t[0].item() for t in kept[:3]] == [1.0, 3.0, 5.0]
+    with pytest.raises(TypeError):
+        native.module.dead_storage_ids([])

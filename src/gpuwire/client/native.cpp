@@ -1134,8 +1134,38 @@ PyObject* op_cache_sizes(PyObject*, PyObject*) {
   return sizes;
 }
 
+// dead_storage_ids({storage id: weak ref}) -> [ids whose storage died]: the runtime's scan for
+// storages to free (client/runtime.py ``_collect_garbage``). The same test as
+// ``UntypedStorage._expired(ref)`` (no strong reference left), without a Python call per
+// storage: the scan runs every few hundred allocations and at each synchronize over every
+// live storage, ~65 ns each in Python (74 us a sync with 1,100 live).
+PyObject* dead_storage_ids(PyObject*, PyObject* live) {
+  if (!PyDict_Check(live)) {
+    PyErr_SetString(PyExc_TypeError, "dead_storage_ids() takes a dict");
+    return nullptr;
+  }
+  PyObject* dead = PyList_New(0);
+  if (!dead) return nullptr;
+  PyObject* key;
+  PyObject* ref;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(live, &pos, &key, &ref)) {
+    auto* storage = static_cast<c10::StorageImpl*>(PyLong_AsVoidPtr(ref));
+    if (!storage && PyErr_Occurred()) {
+      Py_DECREF(dead);
+      return nullptr;
+    }
+    if (c10::raw::weak_intrusive_ptr::use_count(storage) == 0 && PyList_Append(dead, key) < 0) {
+      Py_DECREF(dead);
+      return nullptr;
+    }
+  }
+  return dead;
+}
+
 PyMethodDef methods[] = {
     {"install_guard", install_guard, METH_NOARGS, "Install the C++ device guard for PrivateUse1."},
+    {"dead_storage_ids", dead_storage_ids, METH_O, "The ids in {id: weak storage ref} whose storage died."},
     {"configure", configure, METH_VARARGS, "Give the descriptor encoder its Python objects."},
     {"encode_default", encode_default, METH_O, "msgpack default hook: gpuwire tensors natively."},
     {"encode_device_tensors", encode_device_tensors, METH_O, "(key, encoded, storage ids) of a tensor list, or None."},

@@ -64,8 +64,9 @@ def install() -> bool:
         answered = loaded.install_guard()
         if answered != int(torch._C._autograd.DeviceType.PrivateUse1):
             raise RuntimeError(f"the built guard answers device type {answered}")
-        from . import device, wire
+        from . import device, runtime, wire
         wire.use_native(loaded)
+        runtime.use_native(loaded)
         device.use_native_kernels(loaded)  # (if the device is registered yet; else register() does)
 
     from . import autocast

@@ -136,6 +136,17 @@ _storage_expired = torch.UntypedStorage._expired
 _free_weak_ref = torch.UntypedStorage._free_weak_ref
 
 
+def _dead_storage_ids(live: dict) -> list:
+    """The ids in ``live`` ({storage id: StorageRef}) whose client storage died; replaced by
+    the client helper's C loop when it is built (``use_native``)."""
+    return [sid for sid, ref in live.items() if _storage_expired(ref)]
+
+
+def use_native(helper) -> None:
+    global _dead_storage_ids
+    _dead_storage_ids = helper.dead_storage_ids
+
+
 class StorageRef(int):
     """A weak reference to a client storage: the handle ``UntypedStorage._weak_ref()`` returns.
     Unlike ``StorageWeakRef`` it has no ``__del__`` (a Python call for every storage that
@@ -684,7 +695,7 @@ class Runtime:
     def _collect_garbage(self) -> None:
         self._allocs_since_scan = 0
         live = self._live
-        dead = [sid for sid, ref in live.items() if _storage_expired(ref)]
+        dead = _dead_storage_ids(live)
         if dead:
             live_bytes = self._live_bytes
             for sid in dead:
