@@ -14,7 +14,6 @@ import multiprocessing.util as _mp_util
 import os
 import re
 import socket
-import sys
 import threading
 import time
 from time import perf_counter as _perf_counter
@@ -26,7 +25,6 @@ from .. import __version__
 from .._io import send_parts
 from ..protocol import CLOSED, NEED_DATA, Connection, ProtocolError, Role
 from ..protocol.events import (
-    Alloc,
     CallSync,
     Data,
     Error,
@@ -36,11 +34,9 @@ from ..protocol.events import (
     Notice,
     Query,
     Read,
-    Result,
     Seed,
     SetRngState,
     Sync,
-    SyncDone,
     Welcome,
     Write,
 )
