@@ -526,8 +526,10 @@ def test_first_run_on_a_machine_waits_for_the_embedded_node_to_build_its_helpers
     cache = tmp_path / "cache"
     cache.mkdir()
     from gpuwire import _native
-    for built in _native.cache_dir().glob("gpuwire_[an]*"):  # the client's helpers, if built: only the node's build
-        if built.name.startswith(("gpuwire_native-", "gpuwire_autocast-")) and built.suffix == ".so":
+    from gpuwire.client import autocast, native
+    for source, module in ((native.SOURCE, native.MODULE), (autocast.SOURCE, autocast.MODULE)):
+        built = _native.library_path(source, module)  # the client's helpers, if built here: only the node builds
+        if built.exists():
             (cache / built.name).write_bytes(built.read_bytes())
     env = {k: v for k, v in os.environ.items() if k not in ("GPUWIRE_NODE", "GPUWIRE_TOKEN", "GPUWIRE_CONNECT_TIMEOUT")}
     env.update(CXX=str(compiler), GPUWIRE_CACHE_DIR=str(cache))
