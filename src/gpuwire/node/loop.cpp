@@ -503,10 +503,13 @@ struct Held {
 
 // RanOp(seq), made without running its Python __init__ (a frame a run; the class has a slot
 // for seq and no __new__ of its own)
-PyObject* ran_op(PyObject* seq) {
+PyObject* ran_op(int64_t seq) {
+  PyObject* seq_obj = PyLong_FromLongLong(seq);
+  if (seq_obj == nullptr) return nullptr;
   auto* type = reinterpret_cast<PyTypeObject*>(ran_type);
   PyObject* event = type->tp_new(type, s_empty_tuple, nullptr);
-  if (event != nullptr && PyObject_SetAttr(event, s_seq, seq) < 0) Py_CLEAR(event);
+  if (event != nullptr && PyObject_SetAttr(event, s_seq, seq_obj) < 0) Py_CLEAR(event);
+  Py_DECREF(seq_obj);
   return event;
 }
 
@@ -797,11 +800,7 @@ PyObject* loop_run(PyObject* obj, PyObject* const* args, Py_ssize_t nargs) {
   const int ran = run_frame(self, raw.data(), static_cast<size_t>(raw.view.len), args[1], &seq);
   if (ran < 0) return nullptr;
   if (ran == 0) Py_RETURN_NONE;
-  PyObject* seq_obj = PyLong_FromLongLong(seq);
-  if (seq_obj == nullptr) return nullptr;
-  PyObject* event = ran_op(seq_obj);
-  Py_DECREF(seq_obj);
-  return event;
+  return ran_op(seq);
 }
 
 // run_frames(buffer, start, names, max_header) -> (position, RanOp(seq of the last)) after
@@ -857,9 +856,7 @@ PyObject* loop_run_frames(PyObject* obj, PyObject* const* args, Py_ssize_t nargs
     if (std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count() > kBatchSeconds) break;
   }
   if (frames == 0) Py_RETURN_NONE;
-  PyObject* seq_obj = PyLong_FromLongLong(last_seq);
-  PyObject* event = seq_obj ? ran_op(seq_obj) : nullptr;
-  Py_XDECREF(seq_obj);
+  PyObject* event = ran_op(last_seq);
   if (event == nullptr) return nullptr;
   return Py_BuildValue("(nN)", static_cast<Py_ssize_t>(position), event);
 }
