@@ -396,6 +396,22 @@ FUNCTIONAL_COLLECTIVES_SCRIPT = textwrap.dedent("""
     in_place = t.clone()
     torch.ops._c10d_functional.all_reduce_(in_place, "max", group.group_name)
     sys.stdout.write(f"RESULT {rank} {[r.tolist() for r in results]} {in_place.tolist()}\\n")
+    # the rest of the family (DTensor's redistributions, compiled graphs)
+    c10d = torch.ops._c10d_functional
+    gathered, broadcast = torch.empty(8, device="cuda"), t.clone()
+    c10d.all_gather_into_tensor_out(t, 2, group.group_name, out=gathered)
+    c10d.broadcast_(broadcast, 0, group.group_name)
+    more = [funcol.all_to_all_single(torch.arange(4.0, device="cuda") + 10 * rank, [2, 2], [2, 2], group),
+            *funcol.all_reduce_coalesced([t, t * 2], "sum", group), gathered, broadcast,
+            funcol.all_reduce(torch.tensor([7, -3], device="cuda") * (rank + 1), "avg", group)]
+    sys.stdout.write(f"MORE {rank} {[r.tolist() for r in more]}\\n")
+    # hundreds of collectives whose results are dropped at once: gloo's worker thread releasing a
+    # finished one (under its queue's lock, needing the GIL for the host copy's Python object)
+    # while this thread, holding the GIL, queued the next, deadlocked every run
+    for _ in range(300):
+        funcol.all_reduce(t, "sum", group)
+        funcol.all_gather_tensor(t, 0, group)
+    sys.stdout.write(f"DONE {rank}\\n")
     dist.destroy_process_group()
 """)
 
@@ -403,7 +419,8 @@ FUNCTIONAL_COLLECTIVES_SCRIPT = textwrap.dedent("""
 def test_dtensors_functional_collectives_on_gpuwire_tensors(node, tmp_path):
     """``torch.distributed._functional_collectives`` (what DTensor and FSDP2's state dicts call)
     on device tensors: their kernels found no backend for the gpuwire device; they run on host
-    copies through gloo now, "avg" (which gloo lacks) included."""
+    copies through gloo now, "avg" (which gloo lacks) included, and hundreds in a row do not
+    deadlock."""
     path = tmp_path / "funcol.py"
     path.write_text(FUNCTIONAL_COLLECTIVES_SCRIPT)
     command = [sys.executable, "-m", "gpuwire", "run", "--node", node.address, "-q", "--", sys.executable, "-m",
@@ -414,3 +431,9 @@ def test_dtensors_functional_collectives_on_gpuwire_tensors(node, tmp_path):
     common = "[1.0, 3.0, 5.0, 7.0], [0.5, 1.5, 2.5, 3.5], [0.0, 1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 4.0]"
     assert results == [f"RESULT 0 [{common}, [1.0, 3.0], [1.0, 2.0, 3.0, 4.0]] [1.0, 2.0, 3.0, 4.0]",
                        f"RESULT 1 [{common}, [5.0, 7.0], [1.0, 2.0, 3.0, 4.0]] [1.0, 2.0, 3.0, 4.0]"]
+    more = sorted(line for line in done.stdout.splitlines() if line.startswith("MORE"))
+    common = "[1.0, 3.0, 5.0, 7.0], [2.0, 6.0, 10.0, 14.0], [0.0, 1.0, 2.0, 3.0, 1.0, 2.0, 3.0, 4.0], [0.0, 1.0, 2.0, 3.0]"
+    # (an integer "avg" truncates, as NCCL's: (7 + 14) / 2 -> 10, (-3 - 6) / 2 -> -4)
+    assert more == [f"MORE 0 [[0.0, 1.0, 10.0, 11.0], {common}, [10, -4]]",
+                    f"MORE 1 [[2.0, 3.0, 12.0, 13.0], {common}, [10, -4]]"]
+    assert sorted(line for line in done.stdout.splitlines() if line.startswith("DONE")) == ["DONE 0", "DONE 1"]

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import (
     AllgatherOptions,
+    AllToAllOptions,
     AllreduceOptions,
     BarrierOptions,
     BroadcastOptions,
@@ -171,15 +172,71 @@ def _staged_reduce_scatter_tensor(original):
 # ``torch.distributed._functional_collectives`` (DTensor, FSDP2's state dicts, tensor parallelism)
 # call these ops; their kernel looks up the group's backend for the tensor's device, and the
 # gpuwire device has none a collective library can use ("No backend type associated with device
-# type gpuwire"). Here each runs on a host copy, on the group's gloo backend, and the result is
-# uploaded; they complete before returning, so ``wait_tensor`` has nothing to wait for.
-def _functional_on_host(name):
-    op = getattr(torch.ops._c10d_functional, name).default
-    wait = torch.ops._c10d_functional.wait_tensor.default
+# type gpuwire"). Here each runs on a host copy, on the group's CPU (gloo) backend, and the result
+# is uploaded; they complete before returning, so ``wait_tensor`` has nothing to wait for.
+#
+# They call the backend through its Python bindings, which release the GIL, and not through the
+# ``_c10d_functional`` CPU kernels, which hold it: gloo's worker thread drops a finished
+# collective's work while holding the queue's lock, and where that work held the last reference
+# to a host copy with a Python object, the drop waits for the GIL, while the program's thread,
+# holding the GIL, waited for that lock to queue its next collective (a deadlock, one run in ~40
+# of two collectives, every time in a few hundred).
+def _cpu_backend(group_name):
+    group = (group_name if isinstance(group_name, dist.ProcessGroup)
+             else dist.distributed_c10d._resolve_process_group(group_name))
+    return group, group._get_backend(torch.device("cpu"))
 
-    def kernel(input, *args):
-        return _upload_like(input, wait(op(input.detach().to("cpu"), *args)))
-    return kernel
+
+def _host_copy(tensor):
+    return tensor.detach().to("cpu").contiguous()
+
+
+def _host_all_reduce(input, reduce_op: str, group_name):
+    """A host copy of ``input`` all-reduced over the group (gloo has no "avg": a sum, divided)."""
+    group, backend = _cpu_backend(group_name)
+    average = reduce_op.lower() == "avg"
+    opts = AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM if average else getattr(dist.ReduceOp, reduce_op.upper())
+    host = _host_copy(input)
+    backend.allreduce([host], opts).wait()
+    if average:
+        if host.is_floating_point() or host.is_complex():
+            host /= group.size()
+        else:
+            host = host.div(group.size(), rounding_mode="trunc")
+    return host
+
+
+def _host_all_gather(input, group_size: int, group_name):
+    _, backend = _cpu_backend(group_name)
+    host = _host_copy(input)
+    out = host.new_empty((group_size * host.shape[0], *host.shape[1:]))
+    backend.allgather([list(out.chunk(group_size))], [host]).wait()
+    return out
+
+
+def _host_reduce_scatter(input, reduce_op: str, group_size: int, group_name):
+    """gloo has no reduce-scatter: reduce everything on the host, keep this rank's part."""
+    group, _ = _cpu_backend(group_name)
+    return _host_all_reduce(input, reduce_op, group_name).chunk(group_size)[group.rank()]
+
+
+def _host_broadcast(input, src: int, group_name):
+    _, backend = _cpu_backend(group_name)
+    opts = BroadcastOptions()
+    opts.rootRank, opts.rootTensor = src, 0
+    host = _host_copy(input)
+    backend.broadcast([host], opts).wait()
+    return host
+
+
+def _host_all_to_all(input, output_split_sizes, input_split_sizes, group_name):
+    _, backend = _cpu_backend(group_name)
+    host = _host_copy(input)
+    rows = sum(output_split_sizes) if output_split_sizes else host.shape[0]
+    out = host.new_empty((rows, *host.shape[1:]))
+    backend.alltoall_base(out, host, list(output_split_sizes), list(input_split_sizes), AllToAllOptions()).wait()
+    return out
 
 
 def _upload_like(device_tensor, host):
@@ -191,40 +248,58 @@ def _upload_like(device_tensor, host):
     return out
 
 
-def _host_all_reduce(input, reduce_op: str, group_name):
-    """A host copy of ``input`` all-reduced over the group (gloo has no "avg": a sum, divided)."""
-    average = reduce_op.lower() == "avg"
-    reduced = torch.ops._c10d_functional.wait_tensor.default(torch.ops._c10d_functional.all_reduce.default(
-        input.detach().to("cpu"), "sum" if average else reduce_op, group_name))
-    if average:
-        reduced /= dist.get_world_size(dist.distributed_c10d._resolve_process_group(group_name))
-    return reduced
+def _fresh(host_collective):
+    """The functional op (a fresh result) of ``host_collective(input, *args)``."""
+    def kernel(input, *args):
+        return _upload_like(input, host_collective(input, *args))
+    return kernel
 
 
-def _all_reduce_on_host(input, reduce_op, group_name):
-    return _upload_like(input, _host_all_reduce(input, reduce_op, group_name))
+def _into_input(host_collective):
+    """The in-place op (``all_reduce_``, ``broadcast_``): the result written into ``input``."""
+    def kernel(input, *args):
+        _back([input], [host_collective(input, *args)])
+        return input
+    return kernel
 
 
-def _all_reduce_in_place_on_host(input, reduce_op, group_name):
-    _back([input], [_host_all_reduce(input, reduce_op, group_name)])
-    return input
+def _into_out(host_collective):
+    """The ``_out`` op: the result written into ``out``."""
+    def kernel(input, *args, out):
+        _back([out], [host_collective(input, *args)])
+        return out
+    return kernel
 
 
-def _reduce_scatter_on_host(input, reduce_op, group_size, group_name):
-    """gloo has no reduce-scatter: reduce everything on the host, keep this rank's part."""
-    rank = dist.get_rank(dist.distributed_c10d._resolve_process_group(group_name))
-    return _upload_like(input, _host_all_reduce(input, reduce_op, group_name).chunk(group_size)[rank])
+def _each(kernel):
+    """The ``_coalesced`` op: ``kernel`` on each tensor of the list, in order on every rank."""
+    def coalesced(inputs, *args):
+        return [kernel(input, *args) for input in inputs]
+    return coalesced
+
+
+_FUNCTIONAL_KERNELS = {
+    "all_reduce": _fresh(_host_all_reduce),
+    "all_reduce_": _into_input(_host_all_reduce),
+    "all_reduce_coalesced": _each(_fresh(_host_all_reduce)),
+    "all_reduce_coalesced_": _each(_into_input(_host_all_reduce)),
+    "all_gather_into_tensor": _fresh(_host_all_gather),
+    "all_gather_into_tensor_out": _into_out(_host_all_gather),
+    "all_gather_into_tensor_coalesced": _each(_fresh(_host_all_gather)),
+    "reduce_scatter_tensor": _fresh(_host_reduce_scatter),
+    "reduce_scatter_tensor_out": _into_out(_host_reduce_scatter),
+    "reduce_scatter_tensor_coalesced": _each(_fresh(_host_reduce_scatter)),
+    "broadcast": _fresh(_host_broadcast),
+    "broadcast_": _into_input(_host_broadcast),
+    "all_to_all_single": _fresh(_host_all_to_all),
+}
 
 
 def _register_functional_collectives() -> None:
     library = torch.library.Library("_c10d_functional", "IMPL")
-    for name in ("all_gather_into_tensor", "broadcast", "all_to_all_single"):
-        if hasattr(torch.ops._c10d_functional, name):
-            library.impl(name, _functional_on_host(name), "PrivateUse1")
-    library.impl("all_reduce", _all_reduce_on_host, "PrivateUse1")
-    library.impl("reduce_scatter_tensor", _reduce_scatter_on_host, "PrivateUse1")
-    if hasattr(torch.ops._c10d_functional, "all_reduce_"):
-        library.impl("all_reduce_", _all_reduce_in_place_on_host, "PrivateUse1")
+    for name, kernel in _FUNCTIONAL_KERNELS.items():
+        if hasattr(torch.ops._c10d_functional, name):  # (the set differs between torch versions)
+            library.impl(name, kernel, "PrivateUse1")
     library.impl("wait_tensor", lambda tensor: tensor, "PrivateUse1")
     _LIBRARIES.append(library)
 
