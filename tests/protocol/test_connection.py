@@ -370,6 +370,66 @@ def test_server_event_round_trip(event):
     assert got == event
 
 
+SEQ_EDGES = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63, 2**64 - 1]
+
+
+@pytest.mark.parametrize("seq", SEQ_EDGES)
+def test_sync_frames_are_written_as_msgpack_writes_them_and_read_back(seq):
+    """The synchronize round trip's frames (``Sync``, ``SyncDone``) are written and read by
+    hand: the bytes must be msgpack's, and every integer width must read back."""
+    client, server = open_pair()
+    for sender, receiver, event in ((client, server, Sync(seq=seq)), (server, client, SyncDone(seq=seq))):
+        header = msgpack.packb([event.code, seq])
+        assert sender.send(event) == struct.pack("!IQ", len(header), 0) + header
+        receiver.receive_data(sender.send(event))
+        got = receiver.next_event()
+        assert type(got) is type(event) and got.seq == seq
+        assert receiver.next_event() is NEED_DATA
+
+
+@pytest.mark.parametrize("seq", SEQ_EDGES)
+def test_sync_frames_written_by_any_msgpack_encoder_are_read(seq):
+    """A peer may write the seq wider than it needs (any msgpack encoder's choice is valid)."""
+    client, server = open_pair()
+    widths = [(0xCC, "!B", 2**8), (0xCD, "!H", 2**16), (0xCE, "!I", 2**32), (0xCF, "!Q", 2**64)]
+    for kind, layout, bound in widths:
+        if seq < bound:
+            header = bytes([0x92, Sync.code, kind]) + struct.pack(layout, seq)
+            server.receive_data(struct.pack("!IQ", len(header), 0) + header)
+            got = server.next_event()
+            assert type(got) is Sync and got.seq == seq
+
+
+def test_sync_frames_keep_the_generic_checks():
+    """The hand-read path takes only what this side may receive, well formed; anything else
+    fails as before."""
+    client, server = open_pair()
+    client.receive_data(server.send(SyncDone(seq=1)))
+    assert client.next_event() == SyncDone(seq=1)
+    # a node receiving SyncDone, a client receiving Sync: refused by role
+    with pytest.raises(ProtocolError, match="cannot receive SyncDone"):
+        client2, server2 = open_pair()
+        server2.receive_data(server.send(SyncDone(seq=2)))
+        server2.next_event()
+    with pytest.raises(ProtocolError, match="cannot receive Sync"):
+        client3, _ = open_pair()
+        client3.receive_data(client.send(Sync(seq=2)))
+        client3.next_event()
+    # a negative seq (msgpack's negative fixint 0xff) and a seq that is not an integer
+    for header in (bytes([0x92, Sync.code, 0xFF]), bytes([0x92, Sync.code, 0xC3]), bytes([0x92, Sync.code, 0xCA]) + b"\0" * 4):
+        _, server4 = open_pair()
+        server4.receive_data(struct.pack("!IQ", len(header), 0) + header)
+        with pytest.raises(ProtocolError):
+            server4.next_event()
+    # before the handshake a Sync is refused
+    fresh = Connection(Role.SERVER)
+    fresh.receive_data(client.send(Sync(seq=3)))
+    with pytest.raises(ProtocolError):
+        fresh.next_event()
+    with pytest.raises(ProtocolError):
+        Connection(Role.CLIENT).send(Sync(seq=1))
+
+
 def test_result_with_new_tensor_nested():
     client, server = open_pair()
     nt = NewTensor(storage_id=5, nbytes=48, offset=1, sizes=(2, 0, 3), strides=(3, 3, 1), dtype=1)
