@@ -20,12 +20,14 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import (
     AllgatherOptions,
+    AllreduceCoalescedOptions,
     AllToAllOptions,
     AllreduceOptions,
     BarrierOptions,
     BroadcastOptions,
     GatherOptions,
     ReduceOptions,
+    ReduceScatterOptions,
     ScatterOptions,
     _create_work_from_future,
 )
@@ -44,6 +46,40 @@ def _done(result):
 
 def _host(tensors):
     return [t.detach().to("cpu", copy=True) for t in tensors]
+
+
+class _Deferred(dist.Work):
+    """A point-to-point operation in flight on host copies: ``wait()`` waits for gloo and then
+    uploads what arrived. Not waited for when queued: gloo's send waits for the peer's receive,
+    so two ranks that each ``isend`` before they ``irecv`` (``batch_isend_irecv``, ring
+    exchanges) would block each other."""
+
+    def __init__(self, work, after=None, keep=None):
+        super().__init__()
+        self._work, self._after, self._keep, self._done = work, after, keep, False
+
+    def wait(self, timeout=None) -> bool:
+        if not self._done:
+            self._work.wait() if timeout is None else self._work.wait(timeout)
+            if self._after is not None:
+                self._after()
+            self._done, self._keep = True, None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done
+
+    def is_success(self) -> bool:
+        return self._done
+
+    def source_rank(self) -> int:
+        return self._work.source_rank()
+
+    def get_future(self):
+        self.wait()
+        future = Future()
+        future.set_result(None)
+        return future
 
 
 def _back(tensors, host) -> None:
@@ -91,6 +127,47 @@ class HostStagedGroup(dist.ProcessGroup):
     def barrier(self, opts=BarrierOptions()):
         self._gloo.barrier(opts).wait()
         return _done(None)
+
+    def allreduce_coalesced(self, tensors, opts=AllreduceCoalescedOptions()):
+        return self._run(tensors, lambda host: self._gloo.allreduce_coalesced(host, opts))
+
+    def send(self, tensors, dst_rank: int, tag: int = 0):
+        host = _host(tensors)
+        return _Deferred(self._gloo.send(host, dst_rank, tag), keep=host)
+
+    def recv(self, tensors, src_rank: int, tag: int = 0):
+        host = _host(tensors)
+        return _Deferred(self._gloo.recv(host, src_rank, tag), after=lambda: _back(tensors, host))
+
+    def recv_anysource(self, tensors, tag: int = 0):
+        host = _host(tensors)
+        return _Deferred(self._gloo.recv_anysource(host, tag), after=lambda: _back(tensors, host))
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=AllToAllOptions()):
+        host_out, host_in = _host([output, input])
+        self._gloo.alltoall_base(host_out, host_in, output_split_sizes, input_split_sizes, opts).wait()
+        _back([output], [host_out])
+        return _done([output])
+
+    def alltoall(self, output_tensors, input_tensors, opts=AllToAllOptions()):
+        """gloo has only the single-tensor all-to-all: the lists go flat, split by their sizes."""
+        flat_in = torch.cat([t.detach().reshape(-1).cpu() for t in input_tensors])
+        flat_out = flat_in.new_empty(sum(t.numel() for t in output_tensors))
+        self._gloo.alltoall_base(flat_out, flat_in, [t.numel() for t in output_tensors],
+                                 [t.numel() for t in input_tensors], opts).wait()
+        _back(output_tensors, [part.reshape(t.shape) for part, t in
+                               zip(flat_out.split([t.numel() for t in output_tensors]), output_tensors)])
+        return _done(output_tensors)
+
+    def reduce_scatter(self, output_tensors, input_lists, opts=ReduceScatterOptions()):
+        """gloo has no reduce-scatter of lists: reduce all of them, keep this rank's part."""
+        reduce = AllreduceOptions()
+        reduce.reduceOp = opts.reduceOp
+        for output, inputs in zip(output_tensors, input_lists):
+            host = torch.stack([t.detach().cpu() for t in inputs])
+            self._gloo.allreduce([host], reduce).wait()
+            _back([output], [host[self._rank]])
+        return _done(output_tensors)
 
     def _run_into_lists(self, output_tensors, input_tensors, collective):
         """A collective whose outputs are lists of tensors (one per rank): all_gather, gather."""
