@@ -503,3 +503,50 @@ def test_point_to_point_and_all_to_all_on_gpuwire_tensors_match_cpu_gloo(node, t
     assert [line for line in remote if line.startswith("LISTS")] == [
         "LISTS 0 [[0.0, 0.0], [10.0, 10.0]] [1.0, 1.0]",  # rank r gets element r of every rank's list
         "LISTS 1 [[1.0, 1.0], [11.0, 11.0]] [3.0, 3.0]"]  # sum over ranks of element r: (0+1), (1+2)
+
+
+TENSOR_PARALLEL_SCRIPT = textwrap.dedent("""
+    import os, sys, torch, torch.nn as nn, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    where = sys.argv[1]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 5)).to(where)
+    # (as pytorch/examples' tensor_parallel_example.py: the mesh starts the default group itself)
+    mesh = init_device_mesh(where, (int(os.environ["WORLD_SIZE"]),))
+    model = parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = torch.optim.AdamW(model.parameters(), lr=0.25, foreach=True)
+    for step in range(3):
+        torch.manual_seed(step)
+        loss = model(torch.rand(20, 10, device=where)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    shard = model[0].weight.to_local().detach().cpu()
+    sys.stdout.write(f"RESULT {dist.get_rank()} {loss.item()!r} {shard.sum().item()!r} {list(shard.shape)}\\n")
+    dist.destroy_process_group()
+""")
+
+
+def test_tensor_parallelism_under_gpuwire_run_matches_cpu_gloo(node, tmp_path):
+    """``parallelize_module`` with ``init_device_mesh("cuda")``, as pytorch/examples' tensor
+    parallel script: the mesh started NCCL (its own call of ``init_process_group``), and
+    DTensor's collective results, wrapped with the "cuda" their device reads as, aborted the
+    process in C++. Losses and each rank's weight shard equal CPU gloo's bit for bit."""
+    path = tmp_path / "tp.py"
+    path.write_text(TENSOR_PARALLEL_SCRIPT)
+
+    def torchrun(*prefix, where, env=None):
+        command = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                   f"--master_port={free_port()}", str(path), where]
+        done = _run_job(command, cwd=REPO, timeout=150, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return sorted(line for line in done.stdout.splitlines() if line.startswith("RESULT"))
+
+    remote = torchrun(sys.executable, "-m", "gpuwire", "run", "--node", node.address, "-q", "--", where="cuda")
+    # the device by its own name: the mesh sets each rank's device to its LOCAL_RANK, which was
+    # refused ("gpuwire device 1 does not exist")
+    native = torchrun(where="gpuwire", env={**os.environ, "GPUWIRE_NODE": node.address})
+    local = torchrun(where="cpu")
+    assert len(remote) == 2 and remote == local and native == local
+    assert local[0].endswith("[16, 10]")  # each rank holds half of the column-parallel weight

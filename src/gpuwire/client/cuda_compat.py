@@ -28,9 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import os
 import threading
-import time
 import types
 
 import torch
@@ -72,19 +70,6 @@ def _session_index(cuda_index) -> int:
                        f"(gpuwire: this process has {visible} GPU{'s' if visible > 1 else ''}, "
                        f"{'cuda:0' if visible == 1 else f'cuda:0-{visible - 1}'}; for more GPUs, run one process "
                        "per GPU, e.g. under torchrun, each with its own gpuwire session)")
-
-
-def _launcher_devices() -> int:
-    """How many CUDA indices a rank started by a launcher (torchrun, accelerate launch, deepspeed:
-    ``LOCAL_RANK`` set) may name: its launcher gives local rank i the GPU ``cuda:i``
-    (``torch.cuda.set_device(local_rank)``, ``DDP(device_ids=[local_rank])``), and here each rank
-    is a process with a session of its own, so each rank's index is its session's device."""
-    try:
-        rank = int(os.environ["LOCAL_RANK"])
-        size = int(os.environ.get("LOCAL_WORLD_SIZE", rank + 1))
-    except (KeyError, ValueError):
-        return 1
-    return max(1, rank + 1, size)
 
 
 _PYTHON_FUNCTION = types.FunctionType
@@ -531,6 +516,20 @@ def _patch_tensor_device() -> None:
 
     torch.Tensor.numpy = numpy_refusing_like_cuda
 
+    # tensor subclasses build their wrapper with ``_make_wrapper_subclass(cls, ..., device=
+    # elem.device)``, which reads "cuda" here: DTensor's ``AsyncCollectiveTensor`` (every
+    # collective of tensor parallelism) then claimed a real CUDA device, and autograd aborted the
+    # process in C++ ("PyTorch is not linked with support for cuda devices")
+    make_wrapper = torch.Tensor._make_wrapper_subclass
+
+    def make_wrapper_on_gpuwire(cls, *args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None:
+            kwargs["device"] = _map_device(device)
+        return make_wrapper(cls, *args, **kwargs)
+
+    torch.Tensor._make_wrapper_subclass = staticmethod(make_wrapper_on_gpuwire)
+
 
 def _patch_serialization() -> None:
     """Checkpoints with CUDA storages (or ``map_location="cuda"``) load onto gpuwire, and what
@@ -796,7 +795,7 @@ def enable() -> None:
         return
     _device.register()
     GPUWIRE = torch.device(DEVICE_TYPE, 0)
-    _torch_module.VISIBLE_DEVICES = _launcher_devices()
+    _torch_module.VISIBLE_DEVICES = _torch_module.launcher_devices()
     # ``torch.cuda.random.get_rng_state`` (what the transformers Trainer calls at every checkpoint),
     # ``torch.cuda.memory.mem_get_info`` & co. are the same functions under their submodule's
     # name (and what that submodule's other functions call)

@@ -15,6 +15,7 @@ ordinary device↔host transfers.
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 import torch.distributed as dist
@@ -398,7 +399,12 @@ def install() -> None:
     def init_process_group(backend=None, *args, **kwargs):
         return original(with_gpuwire(backend), *args, **kwargs)
 
-    dist.init_process_group = init_process_group
+    # ``init_device_mesh`` (tensor parallelism, FSDP2, DTensor) starts the default group itself
+    # through the name DeviceMesh imported, with no backend: torch then chose NCCL for "cuda"
+    dist.init_process_group = dist.distributed_c10d.init_process_group = init_process_group
+    device_mesh = sys.modules.get("torch.distributed.device_mesh")
+    if device_mesh is not None and getattr(device_mesh, "init_process_group", None) is original:
+        device_mesh.init_process_group = init_process_group
     # the single-tensor collectives reach the backend another way, which finds none for the
     # gpuwire device: stage them here, through the host group
     dist.all_gather_into_tensor = _staged_all_gather_into_tensor(dist.all_gather_into_tensor)

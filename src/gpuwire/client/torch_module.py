@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import sys
 import time
 import types
@@ -89,10 +90,23 @@ def _is_in_bad_fork() -> bool:
     return False
 
 
-# The device indices this process may name, all of them its session's one device: 1, except
-# under CUDA compatibility in a rank a launcher started (torchrun, accelerate, deepspeed give
-# local rank i the GPU cuda:i: ``cuda_compat.enable``). The index last set is ``current_device``.
-VISIBLE_DEVICES = 1
+def launcher_devices() -> int:
+    """How many device indices a rank started by a launcher (torchrun, accelerate launch,
+    deepspeed: ``LOCAL_RANK`` set) may name: its launcher gives local rank i the GPU ``cuda:i``
+    (``torch.cuda.set_device(local_rank)``, ``DDP(device_ids=[local_rank])``; DeviceMesh sets
+    it itself), and here each rank is a process with a session of its own, so each rank's index
+    is its session's device. 1 outside a launcher."""
+    try:
+        rank = int(os.environ["LOCAL_RANK"])
+        size = int(os.environ.get("LOCAL_WORLD_SIZE", rank + 1))
+    except (KeyError, ValueError):
+        return 1
+    return max(1, rank + 1, size)
+
+
+# The device indices this process may name, all of them its session's one device (under CUDA
+# compatibility ``cuda_compat.enable`` sets it again). The index last set is ``current_device``.
+VISIBLE_DEVICES = launcher_devices()
 _current = [0]
 
 
