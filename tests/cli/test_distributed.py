@@ -476,13 +476,31 @@ POINT_TO_POINT_SCRIPT = textwrap.dedent("""
         scattered = torch.empty(2, device=where)
         dist.reduce_scatter(scattered, [torch.full((2,), float(rank + i), device=where) for i in range(2)])
         sys.stdout.write(f"LISTS {rank} {[p.tolist() for p in parts]} {scattered.tolist()}\\n")
+    # pipeline parallelism: a GPipe schedule over two stages (its activations and gradients go
+    # between the ranks by isend/irecv)
+    import torch.nn as nn
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    torch.manual_seed(0)
+    halves = [nn.Sequential(nn.Linear(16, 32), nn.ReLU()), nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))]
+    device = torch.device(where, int(os.environ["LOCAL_RANK"])) if where == "cuda" else torch.device("cpu")
+    half = halves[rank].to(device)
+    schedule = ScheduleGPipe(PipelineStage(half, rank, 2, device), n_microbatches=4, loss_fn=nn.functional.mse_loss)
+    opt = torch.optim.SGD(half.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x, y, losses = torch.randn(8, 16, generator=data).to(device), torch.randn(8, 4, generator=data).to(device), []
+        schedule.step(x) if rank == 0 else schedule.step(target=y, losses=losses)
+        opt.step()
+        opt.zero_grad()
+    weights = [p.detach().cpu().sum().item() for p in half.parameters()]
+    sys.stdout.write(f"PIPE {rank} {weights} {[l.item() for l in losses]}\\n")
     dist.destroy_process_group()
 """)
 
 
 def test_point_to_point_and_all_to_all_on_gpuwire_tensors_match_cpu_gloo(node, tmp_path):
     """``dist.send``/``recv``, ``isend``/``irecv`` and ``batch_isend_irecv`` (pipeline
-    parallelism, ring exchanges) on device tensors raised "No backend type associated with
+    parallelism, ring exchanges; a GPipe schedule runs here) on device tensors raised "No backend type associated with
     device type gpuwire"; with both ranks sending first they must not block each other. Results
     equal the same script's on CPU with gloo; the list forms of all-to-all and reduce-scatter,
     which gloo lacks on the host, equal their definitions."""
@@ -494,12 +512,12 @@ def test_point_to_point_and_all_to_all_on_gpuwire_tensors_match_cpu_gloo(node, t
                    f"--master_port={free_port()}", str(path), where]
         done = _run_job(command, cwd=REPO, timeout=120)
         assert done.returncode == 0, done.stderr[-3000:]
-        return sorted(line for line in done.stdout.splitlines() if line.startswith(("RESULT", "LISTS")))
+        return sorted(line for line in done.stdout.splitlines() if line.startswith(("RESULT", "LISTS", "PIPE")))
 
     remote = torchrun(sys.executable, "-m", "gpuwire", "run", "--node", node.address, "-q", "--", where="cuda")
     local = torchrun(where="cpu")
-    assert [line.replace("'cuda'", "'cpu'") for line in remote if line.startswith("RESULT")] == local
-    assert len(local) == 2 and "[0.0, 20.0, 40.0]" in local[0]  # rank 0 received rank 1's t * 10
+    assert [line.replace("'cuda'", "'cpu'") for line in remote if not line.startswith("LISTS")] == local
+    assert len(local) == 4 and "[0.0, 20.0, 40.0]" in local[2]  # (RESULT 0) rank 0 received rank 1's t * 10
     assert [line for line in remote if line.startswith("LISTS")] == [
         "LISTS 0 [[0.0, 0.0], [10.0, 10.0]] [1.0, 1.0]",  # rank r gets element r of every rank's list
         "LISTS 1 [[1.0, 1.0], [11.0, 11.0]] [3.0, 3.0]"]  # sum over ranks of element r: (0+1), (1+2)
