@@ -568,3 +568,71 @@ def test_tensor_parallelism_under_gpuwire_run_matches_cpu_gloo(node, tmp_path):
     local = torchrun(where="cpu")
     assert len(remote) == 2 and remote == local and native == local
     assert local[0].endswith("[16, 10]")  # each rank holds half of the column-parallel weight
+
+
+CHECKPOINT_SCRIPT = textwrap.dedent("""
+    import os, sys, torch, torch.nn as nn, torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+    where, checkpoint = sys.argv[1], sys.argv[2]
+    dist.init_process_group("nccl" if where == "cuda" else "gloo")
+    if where == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(where)
+    for layer in (model[0], model[2], model):
+        fully_shard(layer)  # (no mesh: FSDP2 builds one on the accelerator)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+
+    def train(steps):
+        data = torch.Generator().manual_seed(5)
+        for _ in range(steps):
+            loss = model(torch.randn(4, 8, generator=data).to(where)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return loss.item()
+
+    train(2)
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=checkpoint)
+    after_save = train(2)
+    model_state, optim_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=checkpoint)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    after_load = train(2)
+    device = str(next(model.parameters()).device)
+    sys.stdout.write(f"RESULT {dist.get_rank()} {after_save!r} {after_load!r} {device}\\n")
+    dist.destroy_process_group()
+""")
+
+
+def test_fsdp2_distributed_checkpoint_save_and_load_match_cpu_gloo(node, tmp_path):
+    """FSDP2 with a sharded ``torch.distributed.checkpoint`` save and load (torchtitan's
+    checkpoints): training resumed from the checkpoint repeats the steps after the save, under
+    ``gpuwire run`` and natively, equal to CPU gloo. Natively this is also a CPU program on a
+    machine with gpuwire installed: ``fully_shard`` without a mesh builds one on the accelerator
+    (gpuwire), whose ``set_device(LOCAL_RANK)`` was refused on rank 1."""
+    path = tmp_path / "dcp.py"
+    path.write_text(CHECKPOINT_SCRIPT)
+
+    def torchrun(*prefix, where, name, env=None):
+        command = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                   f"--master_port={free_port()}", str(path), where, str(tmp_path / name)]
+        done = _run_job(command, cwd=REPO, timeout=150, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return sorted(line for line in done.stdout.splitlines() if line.startswith("RESULT"))
+
+    remote = torchrun(sys.executable, "-m", "gpuwire", "run", "--node", node.address, "-q", "--", where="cuda",
+                      name="remote")
+    native = torchrun(where="cpu", name="native", env={**os.environ, "GPUWIRE_NODE": node.address})
+    local = torchrun(where="cpu", name="local", env={**os.environ, "GPUWIRE_AUTOLOAD": "0"})
+    assert [line.rsplit(" ", 1)[1] for line in remote] == ["cuda:0", "cuda:1"]
+    assert [line.rsplit(" ", 1)[1] for line in native] == ["gpuwire:0", "gpuwire:0"]
+    assert [line.rsplit(" ", 1)[1] for line in local] == ["cpu", "cpu"]
+    losses = {line.rsplit(" ", 1)[0] for line in remote + native + local}
+    assert len(losses) == 2  # one line a rank, the same in all three runs
+    after_save, after_load = next(iter(losses)).split()[2:4]
+    assert after_save == after_load  # resumed from the checkpoint, the same steps again

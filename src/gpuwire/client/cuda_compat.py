@@ -796,6 +796,7 @@ def enable() -> None:
     _device.register()
     GPUWIRE = torch.device(DEVICE_TYPE, 0)
     _torch_module.VISIBLE_DEVICES = _torch_module.launcher_devices()
+    _torch_module.TRACKS_INDEX[0] = True
     # ``torch.cuda.random.get_rng_state`` (what the transformers Trainer calls at every checkpoint),
     # ``torch.cuda.memory.mem_get_info`` & co. are the same functions under their submodule's
     # name (and what that submodule's other functions call)

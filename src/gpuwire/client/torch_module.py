@@ -105,9 +105,13 @@ def launcher_devices() -> int:
 
 
 # The device indices this process may name, all of them its session's one device (under CUDA
-# compatibility ``cuda_compat.enable`` sets it again). The index last set is ``current_device``.
+# compatibility ``cuda_compat.enable`` sets it again). Under CUDA compatibility the index last
+# set is ``current_device`` (a rank's tensors read as cuda:<its local rank>); natively tensors
+# are gpuwire:0 and so is the current device, whichever index was set: FSDP2 expects its
+# parameters on ``gpuwire:<current_device()>`` once DeviceMesh has set the rank's LOCAL_RANK.
 VISIBLE_DEVICES = launcher_devices()
 _current = [0]
+TRACKS_INDEX = [False]
 
 
 def device_count() -> int:
@@ -127,7 +131,8 @@ def set_device(index) -> None:
     if not 0 <= index < VISIBLE_DEVICES:
         raise ValueError(f"gpuwire device {index} does not exist: this session has one device"
                          + (" (index 0)" if VISIBLE_DEVICES == 1 else f", visible as indices 0-{VISIBLE_DEVICES - 1}"))
-    _current[0] = index
+    if TRACKS_INDEX[0]:
+        _current[0] = index
 
 
 class device:
