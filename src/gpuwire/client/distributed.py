@@ -61,7 +61,10 @@ class _Deferred(dist.Work):
 
     def wait(self, timeout=None) -> bool:
         if not self._done:
-            self._work.wait() if timeout is None else self._work.wait(timeout)
+            if timeout is None:
+                self._work.wait()
+            else:
+                self._work.wait(timeout)
             if self._after is not None:
                 self._after()
             self._done, self._keep = True, None
