@@ -15,7 +15,8 @@ import time
 import httpx
 import pytest
 
-from gpuwire.pool.ratelimit import Rate, RateLimiter, parse_limits
+from gpuwire.pool.core import Caller
+from gpuwire.pool.ratelimit import Rate, RateLimited, RateLimiter, parse_limits
 
 from .conftest import PoolProcess, unique
 
@@ -149,3 +150,20 @@ def test_limit_specs_and_bucket_arithmetic():
     assert limiter._wait("tenant", "k", take=True) == 0
     assert limiter._wait("tenant", "k", take=True) == pytest.approx(0.5)
     assert limiter._wait("tenant", "other", take=True) == 0  # per key
+
+
+def test_a_refusal_never_says_retry_after_zero():
+    """A bucket a fraction of a millisecond from its next token: the refusal's wait rounded to
+    the nearest millisecond read 0.0 (seen in CI), and a client obeying it was refused again."""
+    now = [0.0]
+    limiter = RateLimiter({"tenant": Rate(5, 1)}, clock=lambda: now[0])
+    caller = Caller(role="tenant", tenant="t", key_id="k")
+    limiter.check(caller)
+    now[0] = 0.1999  # 0.1 ms short of the next token
+    with pytest.raises(RateLimited) as refused:
+        limiter.check(caller)
+    body = refused.value.as_dict()
+    assert body["retry_after"] == 0.001 and "retry after 0.001 s" in body["message"]
+    assert refused.value.headers["Retry-After"] == "1"
+    now[0] += body["retry_after"]  # waiting as told is enough
+    limiter.check(caller)

@@ -52,11 +52,17 @@ DEFAULT_LIMITS: dict[str, Rate | None] = {
 DEFAULT_SPEC = "tenant=20/40,node=100/200,admin=off,failed-auth=5/30"
 
 
+def rounded_up(seconds: float) -> float:
+    """A wait as a refusal states it: up to the next millisecond (to the nearest, a wait under
+    0.5 ms read "retry after 0", and a client that obeyed it was refused again at once)."""
+    return max(0.001, math.ceil(seconds * 1000) / 1000)
+
+
 class RateLimited(Problem):
     """429: the caller sent more requests than its limit allows."""
 
     def __init__(self, message: str, retry_after: float, limit: Rate):
-        super().__init__(429, "rate_limited", message, retry_after=round(retry_after, 3), limit=str(limit))
+        super().__init__(429, "rate_limited", message, retry_after=retry_after, limit=str(limit))
         self.retry_after = retry_after
 
     @property
@@ -161,11 +167,12 @@ class RateLimiter:
                 self._authenticated.add(caller.key_id)
         wait = self._wait(caller.role, caller.key_id, take=True)
         if wait:
+            wait = rounded_up(wait)
             self.refused += 1
             limit = self.limits[caller.role]
             raise RateLimited(
                 f"too many requests with API key {caller.key_id} ({caller.role} keys may send {limit}); "
-                f"retry after {wait:.2f} s. Slow down (poll less often, reuse results), or ask the pool's "
+                f"retry after {wait:.3f} s. Slow down (poll less often, reuse results), or ask the pool's "
                 "admin for a higher limit (gpuwire pool --rate-limit)", wait, limit)
 
     def admit(self, address: str, key: str | None, authenticate) -> Caller:
@@ -176,10 +183,11 @@ class RateLimiter:
         known = key is not None and key_id_of(key) in self._authenticated
         wait = 0.0 if known else self._wait(FAILED_AUTH, address, take=False)
         if wait:
+            wait = rounded_up(wait)
             self.refused += 1
             limit = self.limits[FAILED_AUTH]
             raise RateLimited(
-                f"too many failed authentications from {address} ({limit}); retry after {wait:.2f} s with a "
+                f"too many failed authentications from {address} ({limit}); retry after {wait:.3f} s with a "
                 "valid API key (set GPUWIRE_API_KEY; an admin makes one with `gpuwire key create`)", wait, limit)
         try:
             caller = authenticate(key)
