@@ -636,3 +636,83 @@ def test_fsdp2_distributed_checkpoint_save_and_load_match_cpu_gloo(node, tmp_pat
     assert len(losses) == 2  # one line a rank, the same in all three runs
     after_save, after_load = next(iter(losses)).split()[2:4]
     assert after_save == after_load  # resumed from the checkpoint, the same steps again
+
+
+DDP_VARIANTS_SCRIPT = textwrap.dedent("""
+    import os, sys, torch, torch.nn as nn, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as powerSGD
+    where = sys.argv[1]
+    dist.init_process_group("nccl" if where == "cuda" else "gloo")
+    rank = dist.get_rank()
+    if where == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+
+    class Net(nn.Module):
+        def __init__(self, with_unused):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+            self.unused = nn.Linear(4, 4) if with_unused else None  # (no gradient: DDP must be told)
+
+        def forward(self, x):
+            return self.body(x)
+
+    out = []
+    for variant in ("find_unused_parameters", "static_graph", "fp16_compress_hook", "powerSGD_hook", "no_sync"):
+        torch.manual_seed(0)
+        model = Net(variant in ("find_unused_parameters", "static_graph")).to(where)
+        ddp = DDP(model, find_unused_parameters=variant == "find_unused_parameters",
+                  static_graph=variant == "static_graph")
+        if variant == "fp16_compress_hook":
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        if variant == "powerSGD_hook":
+            ddp.register_comm_hook(powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                                          start_powerSGD_iter=2, min_compression_rate=0.5),
+                                   powerSGD.powerSGD_hook)
+        opt = torch.optim.SGD(model.body.parameters(), lr=0.1)
+        data = torch.Generator().manual_seed(rank)
+        for step in range(4):
+            x = torch.randn(8, 16, generator=data).to(where)
+            if variant == "no_sync" and step % 2 == 0:
+                with ddp.no_sync():  # gradient accumulation: this step's gradients stay local
+                    ddp(x).square().mean().backward()
+                continue
+            ddp(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        out.append([variant, [p.detach().cpu().double().sum().item() for p in model.body.parameters()]])
+    sys.stdout.write(f"RESULT {rank} {out}\\n")
+    dist.destroy_process_group()
+""")
+
+
+def test_ddp_unused_parameters_static_graph_and_comm_hooks_match_cpu_gloo(node, tmp_path):
+    """DDP as training scripts configure it: ``find_unused_parameters=True`` and
+    ``static_graph=True`` (the reducer stages its used-parameter map through pinned host memory,
+    which the gpuwire device could not give: "implement getPinnedMemoryAllocator"), the fp16 and
+    PowerSGD communication hooks (PowerSGD's ``torch.zeros(device=bucket.buffer().device)`` ran
+    on autograd's thread, outside CUDA compatibility: "Could not run ... 'CUDA' backend"), and
+    ``no_sync`` accumulation. Weights equal CPU gloo's bit for bit."""
+    if not native_builds():
+        # the pinned host memory comes from the client's C++ helper: with no compiler (or
+        # GPUWIRE_NATIVE=0) the device keeps PyTorch's Python hooks, which have none
+        pytest.skip("no C++ compiler or GPUWIRE_NATIVE=0: no C++ device hooks")
+    path = tmp_path / "ddp_variants.py"
+    path.write_text(DDP_VARIANTS_SCRIPT)
+
+    def torchrun(*prefix, where, env=None):
+        command = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                   f"--master_port={free_port()}", str(path), where]
+        done = _run_job(command, cwd=REPO, timeout=150, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return sorted(line for line in done.stdout.splitlines() if line.startswith("RESULT"))
+
+    remote = torchrun(sys.executable, "-m", "gpuwire", "run", "--node", node.address, "-q", "--", where="cuda")
+    local = torchrun(where="cpu", env={**os.environ, "GPUWIRE_AUTOLOAD": "0"})
+    assert len(local) == 2 and remote == local
+    assert "powerSGD_hook" in local[0] and "no_sync" in local[0]
+
+
+def native_builds() -> bool:
+    import shutil
+    return shutil.which(os.environ.get("CXX", "c++")) is not None and os.environ.get("GPUWIRE_NATIVE", "1") != "0"

@@ -723,6 +723,17 @@ def _patch_python_backward() -> None:
             return super().queue_callback(_with_mode(callback))
 
     Variable._execution_engine = _Engine()
+    # DDP's communication hooks run from its reducer on the device thread: PowerSGD's
+    # ``torch.zeros(n, device=bucket.buffer().device)`` (which reads "cuda:<rank>") raised
+    # "Could not run 'aten::empty.memory_format' with arguments from the 'CUDA' backend"
+    from torch.nn.parallel import DistributedDataParallel
+    register_comm_hook = DistributedDataParallel.register_comm_hook
+
+    @functools.wraps(register_comm_hook)
+    def register_comm_hook_in_mode(self, state, hook):
+        return register_comm_hook(self, state, _with_mode(hook))
+
+    DistributedDataParallel.register_comm_hook = register_comm_hook_in_mode
 
 
 def _patch_cudnn() -> None:

@@ -2182,16 +2182,21 @@ def register() -> None:
     global _registered, DEVICE, _conv_plan, _conv_backward_plan
     if _registered:
         return
-    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
-
-    from . import torch_module
+    from . import native, torch_module
 
     current = torch._C._get_privateuse1_backend_name()
     if current not in ("privateuseone", DEVICE_TYPE):
         raise RuntimeError(f"the PrivateUse1 device is already taken by {current!r}; gpuwire needs it")
     if current != DEVICE_TYPE:
-        _setup_privateuseone_for_python_backend(DEVICE_TYPE, backend_module=torch_module.module,
-                                                hook=torch_module.Hooks(), device_guard=torch_module.Guard())
+        # ``_setup_privateuseone_for_python_backend``'s steps, with C++ hooks where this machine has
+        # the client helper built (``native.register_hooks_if_built``: pinned host memory for
+        # PyTorch's C++, which DDP's reducer needs), else its Python hooks
+        torch.utils.rename_privateuse1_backend(DEVICE_TYPE)
+        torch.utils.generate_methods_for_privateuse1_backend()
+        torch._register_device_module(DEVICE_TYPE, torch_module.module)
+        if not native.register_hooks_if_built():
+            torch._C._acc.register_python_privateuseone_hook(torch_module.Hooks())
+        torch._C._acc.register_python_privateuseone_device_guard(torch_module.Guard())
     torch_module.bridge_accelerator_memory()
     DEVICE = torch.device(DEVICE_TYPE, 0)
     global _library, _aten_library

@@ -5,6 +5,9 @@
 #include <Python.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/library.h>
 
@@ -20,8 +23,10 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 
@@ -65,6 +70,73 @@ GpuwireGuard guard;
 PyObject* install_guard(PyObject*, PyObject*) {
   c10::impl::device_guard_impl_registry[static_cast<size_t>(kType)].store(&guard);
   return PyLong_FromLong(static_cast<long>(guard.type()));
+}
+
+// ------------------------------------------------------------------ device hooks
+
+// PyTorch's bridge for a Python backend's hooks (torch/csrc/acc) answers isBuilt, isAvailable
+// and hasPrimaryContext from Python and leaves the rest to PrivateUse1HooksInterface, whose
+// getPinnedMemoryAllocator throws. PyTorch's own C++ asks for pinned host memory on the
+// accelerator's behalf: DDP's reducer stages its used-parameter map through it
+// (find_unused_parameters, static_graph), and ``pin_memory()`` allocates with it. Here the same
+// three answers (the Python hooks return True: a session's device exists once it is asked for),
+// and pinned memory is ordinary host memory: bytes go to the node through a socket, page-locked
+// memory buys nothing. Registered in place of the Python bridge (PyTorch takes one
+// registration).
+//
+// The blocks it hands out are remembered, so ``is_pinned()`` says True for them, as for CUDA's
+// pinned memory (DDP's reducer asserts it of its staging tensor).
+struct HostAsPinnedAllocator final : c10::Allocator {
+  mutable std::mutex mutex;
+  std::unordered_set<const void*> blocks;
+
+  static void release(void* ptr);
+
+  c10::DataPtr allocate(size_t nbytes) override {
+    void* ptr = c10::alloc_cpu(nbytes);
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      blocks.insert(ptr);
+    }
+    return {ptr, ptr, &release, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &release; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  bool owns(const void* ptr) const {
+    std::lock_guard<std::mutex> lock(mutex);
+    return blocks.count(ptr) != 0;
+  }
+};
+
+HostAsPinnedAllocator* host_as_pinned = new HostAsPinnedAllocator();  // (never freed: blocks outlive exit)
+
+void HostAsPinnedAllocator::release(void* ptr) {
+  {
+    std::lock_guard<std::mutex> lock(host_as_pinned->mutex);
+    host_as_pinned->blocks.erase(ptr);
+  }
+  c10::free_cpu(ptr);
+}
+
+struct GpuwireHooks final : at::PrivateUse1HooksInterface {
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return true; }
+  bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
+  c10::Allocator* getPinnedMemoryAllocator() const override { return host_as_pinned; }
+  bool isPinnedPtr(const void* data) const override { return data && host_as_pinned->owns(data); }
+};
+
+PyObject* register_hooks(PyObject*, PyObject*) {
+  HANDLE_TH_ERRORS
+  if (at::isPrivateUse1HooksRegistered()) Py_RETURN_FALSE;
+  at::RegisterPrivateUse1HooksInterface(new GpuwireHooks());  // (never freed: registered for good)
+  Py_RETURN_TRUE;
+  END_HANDLE_TH_ERRORS
 }
 
 // ------------------------------------------------------------------ view kernels
@@ -1165,6 +1237,7 @@ PyObject* dead_storage_ids(PyObject*, PyObject* live) {
 
 PyMethodDef methods[] = {
     {"install_guard", install_guard, METH_NOARGS, "Install the C++ device guard for PrivateUse1."},
+    {"register_hooks", register_hooks, METH_NOARGS, "Register the C++ PrivateUse1 hooks; False if some are."},
     {"dead_storage_ids", dead_storage_ids, METH_O, "The ids in {id: weak storage ref} whose storage died."},
     {"configure", configure, METH_VARARGS, "Give the descriptor encoder its Python objects."},
     {"encode_default", encode_default, METH_O, "msgpack default hook: gpuwire tensors natively."},

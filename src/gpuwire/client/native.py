@@ -53,6 +53,20 @@ def status() -> str:
     return _native.status(module if _installed else None, _failure, "not attached yet")
 
 
+def register_hooks_if_built() -> bool:
+    """At the device's registration (``import torch``, before any attach): the C++ device hooks
+    (``native.cpp`` ``GpuwireHooks``: pinned host memory for PyTorch's own C++, DDP's reducer
+    with ``find_unused_parameters``) when this machine has the helper built already; False, and
+    the caller registers the Python ones, where it has not (the first process on a machine builds
+    it at its first attach) or cannot. Never builds: registration runs inside ``import torch``."""
+    if not _native.enabled() or not _native.library_path(SOURCE, MODULE).exists():
+        return False
+    try:
+        return bool(_native.load(SOURCE, MODULE).register_hooks())
+    except _native.FAILURES:
+        return False
+
+
 def install() -> bool:
     """Build (if needed) and load the extension, install its guard and its encoders; False,
     with the reason kept for ``status()``, where the Python ones stay. Idempotent."""
