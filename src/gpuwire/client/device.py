@@ -2188,13 +2188,13 @@ def register() -> None:
     if current not in ("privateuseone", DEVICE_TYPE):
         raise RuntimeError(f"the PrivateUse1 device is already taken by {current!r}; gpuwire needs it")
     if current != DEVICE_TYPE:
-        # ``_setup_privateuseone_for_python_backend``'s steps, with C++ hooks where this machine has
-        # the client helper built (``native.register_hooks_if_built``: pinned host memory for
-        # PyTorch's C++, which DDP's reducer needs), else its Python hooks
+        # ``_setup_privateuseone_for_python_backend``'s steps, with the client helper's C++ hooks
+        # where there is one (``native.register_hooks``: pinned host memory for PyTorch's C++,
+        # which DDP's reducer needs), else its Python hooks
         torch.utils.rename_privateuse1_backend(DEVICE_TYPE)
         torch.utils.generate_methods_for_privateuse1_backend()
         torch._register_device_module(DEVICE_TYPE, torch_module.module)
-        if not native.register_hooks_if_built():
+        if not native.register_hooks():
             torch._C._acc.register_python_privateuseone_hook(torch_module.Hooks())
         torch._C._acc.register_python_privateuseone_device_guard(torch_module.Guard())
     torch_module.bridge_accelerator_memory()

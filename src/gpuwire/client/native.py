@@ -35,6 +35,7 @@ Why by hand: PyTorch gives Python backends only the pybind11 guard.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -53,15 +54,20 @@ def status() -> str:
     return _native.status(module if _installed else None, _failure, "not attached yet")
 
 
-def register_hooks_if_built() -> bool:
-    """At the device's registration (``import torch``, before any attach): the C++ device hooks
-    (``native.cpp`` ``GpuwireHooks``: pinned host memory for PyTorch's own C++, DDP's reducer
-    with ``find_unused_parameters``) when this machine has the helper built already; False, and
-    the caller registers the Python ones, where it has not (the first process on a machine builds
-    it at its first attach) or cannot. Never builds: registration runs inside ``import torch``."""
-    if not _native.enabled() or not _native.library_path(SOURCE, MODULE).exists():
+def register_hooks() -> bool:
+    """At the device's registration (inside ``import torch``, before any attach): the C++ device
+    hooks (``native.cpp`` ``GpuwireHooks``: pinned host memory for PyTorch's own C++, which DDP's
+    reducer with ``find_unused_parameters`` needs) from this machine's built helper. A process
+    that asked for gpuwire by its environment (``gpuwire run``, ``GPUWIRE_NODE``) builds the
+    helper now if the machine has none (what its first attach would do, once per machine); any
+    other ``import torch`` never builds. False, and the caller registers PyTorch's Python hooks,
+    where there is no helper."""
+    if not _native.enabled():
         return False
     try:
+        if not _native.library_path(SOURCE, MODULE).exists() and not (
+                os.environ.get("GPUWIRE_RUN") == "1" or os.environ.get("GPUWIRE_NODE")):
+            return False
         return bool(_native.load(SOURCE, MODULE).register_hooks())
     except _native.FAILURES:
         return False
