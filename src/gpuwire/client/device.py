@@ -85,8 +85,7 @@ def default_node() -> tuple:
 
 
 def _connect_default() -> Runtime:
-    global _runtime
-    with _runtime_lock:
+    with _runtime_lock:  # (``_set_runtime`` assigns the global)
         if _runtime is not None:
             return _runtime
         address, token = default_node()
