@@ -470,6 +470,7 @@ POINT_TO_POINT_SCRIPT = textwrap.dedent("""
     dist.all_gather_object(gathered, {"rank": rank, "device": str(t.device.type)})
     values = [got, swapped, ring, a2a, reduced if rank == 0 else torch.zeros(())]
     sys.stdout.write(f"RESULT {rank} {[v.tolist() for v in values]} {gathered}\\n")
+    sys.stdout.write(f"BACKEND {rank} {dist.get_backend()}\\n")
     if where == "cuda":  # the list forms gloo lacks on the host
         parts = [torch.empty(2, device=where) for _ in range(2)]
         dist.all_to_all(parts, [torch.full((2,), float(rank * 10 + i), device=where) for i in range(2)])
@@ -512,12 +513,16 @@ def test_point_to_point_and_all_to_all_on_gpuwire_tensors_match_cpu_gloo(node, t
                    f"--master_port={free_port()}", str(path), where]
         done = _run_job(command, cwd=REPO, timeout=120)
         assert done.returncode == 0, done.stderr[-3000:]
-        return sorted(line for line in done.stdout.splitlines() if line.startswith(("RESULT", "LISTS", "PIPE")))
+        return sorted(line for line in done.stdout.splitlines() if line.startswith(("RESULT", "LISTS", "PIPE", "BACKEND")))
 
     remote = torchrun(sys.executable, "-m", "gpuwire", "run", "--node", node.address, "-q", "--", where="cuda")
     local = torchrun(where="cpu")
-    assert [line.replace("'cuda'", "'cpu'") for line in remote if not line.startswith("LISTS")] == local
-    assert len(local) == 4 and "[0.0, 20.0, 40.0]" in local[2]  # (RESULT 0) rank 0 received rank 1's t * 10
+    # the program asked for "nccl" and is told so (it was the device map gpuwire gave c10d)
+    assert [line for line in remote if line.startswith("BACKEND")] == ["BACKEND 0 nccl", "BACKEND 1 nccl"]
+    assert [line for line in local if line.startswith("BACKEND")] == ["BACKEND 0 gloo", "BACKEND 1 gloo"]
+    assert ([line.replace("'cuda'", "'cpu'") for line in remote if line.startswith(("RESULT", "PIPE"))]
+            == [line for line in local if line.startswith(("RESULT", "PIPE"))])
+    assert len(local) == 6 and "[0.0, 20.0, 40.0]" in local[4]  # (RESULT 0) rank 0 received rank 1's t * 10
     assert [line for line in remote if line.startswith("LISTS")] == [
         "LISTS 0 [[0.0, 0.0], [10.0, 10.0]] [1.0, 1.0]",  # rank r gets element r of every rank's list
         "LISTS 1 [[1.0, 1.0], [11.0, 11.0]] [3.0, 3.0]"]  # sum over ranks of element r: (0+1), (1+2)

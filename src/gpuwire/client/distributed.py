@@ -213,13 +213,35 @@ def _gpuwire_in_use() -> bool:
     return cuda_compat.enabled() or current_runtime() is not None or bool(os.environ.get("GPUWIRE_NODE"))
 
 
+DEVICE_MAP = f"cpu:gloo,cuda:gloo,{DEVICE_TYPE}:{BACKEND}"
+# what the program's ``init_process_group`` asked for ("nccl", "gloo") when it became DEVICE_MAP
+_asked: list = [None]
+
+
 def with_gpuwire(backend):
     """The backend string ``init_process_group`` gets: the program's, plus this one for the
     gpuwire device (gloo for the host). NCCL needs GPUs here, so it becomes gloo."""
     name = "gloo" if backend is None else str(backend)
     if ":" in name or name.lower() not in ("gloo", "nccl") or not _gpuwire_in_use():
         return backend  # an explicit device map, another backend, or no gpuwire: as the program says
-    return f"cpu:gloo,cuda:gloo,{DEVICE_TYPE}:{BACKEND}"
+    return DEVICE_MAP
+
+
+def _get_backend_as_asked(original):
+    """``dist.get_backend()`` answers the program what it asked for ("nccl" under ``gpuwire
+    run``): scripts branch on ``get_backend() == "nccl"``, and the device map took their other
+    path. PyTorch's own callers keep the real configuration, on which its code paths depend (the
+    coalescing manager, the object collectives' device)."""
+    @functools.wraps(original)
+    def get_backend(group=None):
+        backend = original(group)
+        if _asked[0] is None or backend != DEVICE_MAP:
+            return backend
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller == "torch" or caller.startswith(("torch.", "gpuwire.")):
+            return backend
+        return _asked[0]
+    return get_backend
 
 
 def _staged_all_gather_into_tensor(original):
@@ -400,11 +422,15 @@ def install() -> None:
 
     @functools.wraps(original)
     def init_process_group(backend=None, *args, **kwargs):
-        return original(with_gpuwire(backend), *args, **kwargs)
+        given = with_gpuwire(backend)
+        if given == DEVICE_MAP and backend is not None and str(backend).lower() in ("nccl", "gloo"):
+            _asked[0] = str(backend).lower()
+        return original(given, *args, **kwargs)
 
     # ``init_device_mesh`` (tensor parallelism, FSDP2, DTensor) starts the default group itself
     # through the name DeviceMesh imported, with no backend: torch then chose NCCL for "cuda"
     dist.init_process_group = dist.distributed_c10d.init_process_group = init_process_group
+    dist.get_backend = _get_backend_as_asked(dist.get_backend)  # (c10d's own name stays the real one)
     device_mesh = sys.modules.get("torch.distributed.device_mesh")
     if device_mesh is not None and getattr(device_mesh, "init_process_group", None) is original:
         device_mesh.init_process_group = init_process_group
