@@ -7,6 +7,7 @@ needs local GPUs) and ``"gloo"`` natively both get it for gpuwire tensors."""
 
 import glob
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -103,6 +104,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+def _two_ranks(script, *args, launcher=(), env=None, timeout: float = 150, marks=("RESULT",)) -> list[str]:
+    """The lines starting with one of ``marks`` that ``script args`` prints as two torchrun ranks
+    (behind ``launcher``, e.g. ``gpuwire run``), sorted; the job must succeed."""
+    command = [*launcher, sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+               f"--master_port={free_port()}", str(script), *args]
+    done = _run_job(command, cwd=REPO, timeout=timeout, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return sorted(line for line in done.stdout.splitlines() if line.startswith(marks))
+
+
+def _gpuwire_run(node) -> tuple:
+    return (sys.executable, "-m", "gpuwire", "run", "--node", node.address, "-q", "--")
+
+
+def native_builds() -> bool:
+    return shutil.which(os.environ.get("CXX", "c++")) is not None and os.environ.get("GPUWIRE_NATIVE", "1") != "0"
+
 
 
 def run_ranks(world: int, command) -> list[str]:
@@ -508,15 +527,9 @@ def test_point_to_point_and_all_to_all_on_gpuwire_tensors_match_cpu_gloo(node, t
     path = tmp_path / "p2p.py"
     path.write_text(POINT_TO_POINT_SCRIPT)
 
-    def torchrun(*prefix, where):
-        command = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                   f"--master_port={free_port()}", str(path), where]
-        done = _run_job(command, cwd=REPO, timeout=120)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return sorted(line for line in done.stdout.splitlines() if line.startswith(("RESULT", "LISTS", "PIPE", "BACKEND")))
-
-    remote = torchrun(sys.executable, "-m", "gpuwire", "run", "--node", node.address, "-q", "--", where="cuda")
-    local = torchrun(where="cpu")
+    marks = ("RESULT", "LISTS", "PIPE", "BACKEND")
+    remote = _two_ranks(path, "cuda", launcher=_gpuwire_run(node), timeout=120, marks=marks)
+    local = _two_ranks(path, "cpu", timeout=120, marks=marks)
     # the program asked for "nccl" and is told so (it was the device map gpuwire gave c10d)
     assert [line for line in remote if line.startswith("BACKEND")] == ["BACKEND 0 nccl", "BACKEND 1 nccl"]
     assert [line for line in local if line.startswith("BACKEND")] == ["BACKEND 0 gloo", "BACKEND 1 gloo"]
@@ -559,18 +572,11 @@ def test_tensor_parallelism_under_gpuwire_run_matches_cpu_gloo(node, tmp_path):
     path = tmp_path / "tp.py"
     path.write_text(TENSOR_PARALLEL_SCRIPT)
 
-    def torchrun(*prefix, where, env=None):
-        command = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                   f"--master_port={free_port()}", str(path), where]
-        done = _run_job(command, cwd=REPO, timeout=150, env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return sorted(line for line in done.stdout.splitlines() if line.startswith("RESULT"))
-
-    remote = torchrun(sys.executable, "-m", "gpuwire", "run", "--node", node.address, "-q", "--", where="cuda")
+    remote = _two_ranks(path, "cuda", launcher=_gpuwire_run(node))
     # the device by its own name: the mesh sets each rank's device to its LOCAL_RANK, which was
     # refused ("gpuwire device 1 does not exist")
-    native = torchrun(where="gpuwire", env={**os.environ, "GPUWIRE_NODE": node.address})
-    local = torchrun(where="cpu")
+    native = _two_ranks(path, "gpuwire", env={**os.environ, "GPUWIRE_NODE": node.address})
+    local = _two_ranks(path, "cpu")
     assert len(remote) == 2 and remote == local and native == local
     assert local[0].endswith("[16, 10]")  # each rank holds half of the column-parallel weight
 
@@ -623,17 +629,9 @@ def test_fsdp2_distributed_checkpoint_save_and_load_match_cpu_gloo(node, tmp_pat
     path = tmp_path / "dcp.py"
     path.write_text(CHECKPOINT_SCRIPT)
 
-    def torchrun(*prefix, where, name, env=None):
-        command = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                   f"--master_port={free_port()}", str(path), where, str(tmp_path / name)]
-        done = _run_job(command, cwd=REPO, timeout=150, env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return sorted(line for line in done.stdout.splitlines() if line.startswith("RESULT"))
-
-    remote = torchrun(sys.executable, "-m", "gpuwire", "run", "--node", node.address, "-q", "--", where="cuda",
-                      name="remote")
-    native = torchrun(where="cpu", name="native", env={**os.environ, "GPUWIRE_NODE": node.address})
-    local = torchrun(where="cpu", name="local", env={**os.environ, "GPUWIRE_AUTOLOAD": "0"})
+    remote = _two_ranks(path, "cuda", str(tmp_path / "remote"), launcher=_gpuwire_run(node))
+    native = _two_ranks(path, "cpu", str(tmp_path / "native"), env={**os.environ, "GPUWIRE_NODE": node.address})
+    local = _two_ranks(path, "cpu", str(tmp_path / "local"), env={**os.environ, "GPUWIRE_AUTOLOAD": "0"})
     assert [line.rsplit(" ", 1)[1] for line in remote] == ["cuda:0", "cuda:1"]
     assert [line.rsplit(" ", 1)[1] for line in native] == ["gpuwire:0", "gpuwire:0"]
     assert [line.rsplit(" ", 1)[1] for line in local] == ["cpu", "cpu"]
@@ -705,19 +703,8 @@ def test_ddp_unused_parameters_static_graph_and_comm_hooks_match_cpu_gloo(node, 
     path = tmp_path / "ddp_variants.py"
     path.write_text(DDP_VARIANTS_SCRIPT)
 
-    def torchrun(*prefix, where, env=None):
-        command = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                   f"--master_port={free_port()}", str(path), where]
-        done = _run_job(command, cwd=REPO, timeout=150, env=env)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return sorted(line for line in done.stdout.splitlines() if line.startswith("RESULT"))
-
-    remote = torchrun(sys.executable, "-m", "gpuwire", "run", "--node", node.address, "-q", "--", where="cuda")
-    local = torchrun(where="cpu", env={**os.environ, "GPUWIRE_AUTOLOAD": "0"})
+    remote = _two_ranks(path, "cuda", launcher=_gpuwire_run(node))
+    local = _two_ranks(path, "cpu", env={**os.environ, "GPUWIRE_AUTOLOAD": "0"})
     assert len(local) == 2 and remote == local
     assert "powerSGD_hook" in local[0] and "no_sync" in local[0]
 
-
-def native_builds() -> bool:
-    import shutil
-    return shutil.which(os.environ.get("CXX", "c++")) is not None and os.environ.get("GPUWIRE_NATIVE", "1") != "0"
