@@ -122,7 +122,16 @@ SCAN_EVERY = 256
 # storage ids below this were given out by a parent process before it forked this one
 # (``device._forget_runtime_in_child``); the parent's session owns them
 INHERITED_BELOW = [0]
+# the storage ids each session this process ended had given out: (first, end, node). A new
+# session starts above them all, so that a tensor left over from an ended session names no storage
+# of the new one and says so (``_failed``): both started at FIRST_ADDRESS, and such a tensor read
+# and wrote the new session's storage of the same id, another tensor's values
+ENDED_SESSIONS: list[tuple[int, int, str]] = []
 _UNALLOCATED = re.compile(r"storage (0x[0-9a-f]+) is not allocated in this session")
+ENDED_SESSION_MESSAGE = (
+    "this device tensor was made in an earlier gpuwire session of this process, on node {node}, which ended "
+    "when the process attached again (gpuwire.attach or detach, %gpuwire attach); its memory ended with that "
+    "session. Copy tensors to the host (t.cpu()) before switching nodes and back (t.to(device)) after")
 FORKED_CHILD_MESSAGE = (
     "Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, you must use the "
     "'spawn' start method (gpuwire: this device tensor was made by the parent process before it forked; a "
@@ -189,7 +198,9 @@ class Runtime:
         self._flush_age = self._flush_age_first
         # (a forked child starts above what its parent had given out: a tensor it inherited
         # then names no storage of its own session, and says so: ``_failed``)
-        self._next_address = max(FIRST_ADDRESS, INHERITED_BELOW[0])
+        # (and above what every session this process ended had: ``ENDED_SESSIONS``)
+        self._next_address = max(FIRST_ADDRESS, INHERITED_BELOW[0], *(end for _, end, _ in ENDED_SESSIONS))
+        self._first_address = self._next_address
         self._live: dict[int, StorageRef] = {}
         self._live_bytes: dict[int, int] = {}
         self.bytes_in_use = 0
@@ -265,6 +276,9 @@ class Runtime:
 
     def close(self) -> None:
         with self.lock:
+            if self._first_address is not None:
+                ENDED_SESSIONS.append((self._first_address, self._next_address, self.address))
+                self._first_address = None
             if self._dead is None:
                 try:
                     self._queue.append(self.conn.send(Goodbye(reason="client exit")))
@@ -455,8 +469,14 @@ class Runtime:
         if self.mirror:
             self.mirror.clear()
         unallocated = _UNALLOCATED.match(error.message) if error.exc_type == "SessionError" else None
-        if unallocated and int(unallocated.group(1), 16) < INHERITED_BELOW[0]:
-            return remote_error(error.op, error.seq, "RuntimeError", FORKED_CHILD_MESSAGE, self.address)
+        if unallocated:
+            storage_id = int(unallocated.group(1), 16)
+            for first, end, node in ENDED_SESSIONS:
+                if first <= storage_id < end:
+                    return remote_error(error.op, error.seq, "RuntimeError", ENDED_SESSION_MESSAGE.format(node=node),
+                                        self.address)
+            if storage_id < INHERITED_BELOW[0]:
+                return remote_error(error.op, error.seq, "RuntimeError", FORKED_CHILD_MESSAGE, self.address)
         return remote_error(error.op, error.seq, error.exc_type, error.message, self.address)
 
     # ------------------------------------------------------------ commands
