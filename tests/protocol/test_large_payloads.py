@@ -3,7 +3,7 @@ a buffer the application provides (payload_sink)."""
 
 import pytest
 
-from gpuwire.protocol import Connection, ProtocolError, Role
+from gpuwire.protocol import Connection, ProtocolError, Role, StreamCut
 from gpuwire.protocol.connection import LARGE_PAYLOAD
 from gpuwire.protocol.events import Data, Hello, Read, Welcome, Write
 
@@ -58,13 +58,13 @@ def test_payload_sink_receives_in_place():
     assert events[0].payload.obj is target and target == payload  # the sink's view, filled in place
 
 
-def test_eof_inside_a_large_payload_is_a_protocol_error():
+def test_eof_inside_a_large_payload_is_a_cut_stream():
     client, server = _pair()
     wire = client.send(Write(seq=1, storage_id=1, byte_offset=0, payload=b"x" * (2 * LARGE_PAYLOAD)))
     server.receive_data(wire[: len(wire) // 2])
     server.next_event()
     server.receive_data(b"")
-    with pytest.raises(ProtocolError, match="middle of a"):
+    with pytest.raises(StreamCut, match="middle of a"):
         server.next_event()
 
 

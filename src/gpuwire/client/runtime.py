@@ -208,6 +208,7 @@ class Runtime:
         self.memory_budget: int | None = None
         self._allocs_since_scan = 0
         self._dead: BaseException | None = None
+        self._torn = False  # an interrupt cut a message: reconnect before the next (``_retie``)
         self._awaiting: set[int] | None = None  # seqs of the replies the client waits for now
         self._token_file = os.environ.get("GPUWIRE_TOKEN_FILE") or None
         self._token_checked = 0.0
@@ -315,6 +316,23 @@ class Runtime:
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise self._dead
+        if self._torn:
+            self._retie()
+
+    def _retie(self) -> None:
+        """A KeyboardInterrupt (Ctrl-C in a notebook) landed in the middle of a send or a receive:
+        Python raises it between bytecodes, so after ``recv_into`` had filled a buffer but before
+        the bytes were counted (the next "header" read was payload bytes), or halfway through a
+        frame's send. Where the stream stands is unknown: reconnect and resume the session (the
+        node's take-over; what it had not run is resent) before anything else is sent or read."""
+        self._torn = False
+        self._queue, self._queue_bytes = [], 0  # (in the recovery log: the resume sends them, once)
+        self.recovery.recover(ConnectionError("a transfer was interrupted (KeyboardInterrupt) in the middle of a "
+                                              "message"))
+
+    def _interrupted_mid_message(self, exc: BaseException) -> None:
+        if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: raised between any two bytecodes
+            self._torn = True
 
     # ------------------------------------------------------------ queue
 
@@ -363,6 +381,9 @@ class Runtime:
             self.bytes_sent += send_parts(self._sock, parts)
         except OSError as exc:
             self.recovery.recover(exc)  # resends ``parts`` (they are in the log) or raises ConnectionLost
+        except BaseException as exc:
+            self._interrupted_mid_message(exc)
+            raise
 
     def flush(self) -> None:
         with self.lock:
@@ -408,11 +429,14 @@ class Runtime:
                 return event
             try:
                 received = self._sock.recv_into(conn.get_buffer(1 << 20))
+                conn.buffer_updated(received)
             except (socket.timeout, TimeoutError):
                 raise
             except OSError as exc:
                 raise self._lost(exc) from None
-            conn.buffer_updated(received)
+            except BaseException as exc:
+                self._interrupted_mid_message(exc)
+                raise
             if not received:
                 event = conn.next_event()
                 if event is NEED_DATA or event is CLOSED:
@@ -759,6 +783,9 @@ class Runtime:
                     self.bytes_sent += send_parts(self._sock, parts)
                 except OSError as exc:
                     self.recovery.recover(exc)
+                except BaseException as exc:
+                    self._interrupted_mid_message(exc)
+                    raise
 
     def _data_sink(self, header: list, nbytes: int):
         """Large Data payloads are received straight into the reader's destination."""

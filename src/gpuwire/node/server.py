@@ -22,7 +22,7 @@ from time import perf_counter
 
 from .. import __version__
 from .._io import send_parts
-from ..protocol import CLOSED, NEED_DATA, Connection, Limits, ProtocolError, Role, check_hello
+from ..protocol import CLOSED, NEED_DATA, Connection, Limits, ProtocolError, Role, StreamCut, check_hello
 from ..protocol.events import Data, Goodbye, Hello, Notice, Read, Reject, Welcome
 from . import loop as node_loop
 from . import native as node_native
@@ -266,6 +266,8 @@ class NodeServer:
                      session.client_version)
             sock.settimeout(self.idle_timeout)
             ended_cleanly = self._session_loop(sock, conn, session)
+        except StreamCut as exc:  # a cut connection, not bad input: a durable session waits for its client
+            log.info("session %s from %s ended: %s", session and session.id, peer, exc)
         except ProtocolError as exc:
             log.warning("session %s from %s dropped: protocol error: %s", session and session.id, peer, exc)
             self._end_with_goodbye(sock, conn, session if registered else None, f"protocol error: {exc}")

@@ -85,6 +85,12 @@ class ProtocolError(Exception):
     """The peer sent something that is not valid gpuwire protocol."""
 
 
+class StreamCut(ProtocolError):
+    """The byte stream ended in the middle of a frame: the connection was cut (a network failure,
+    a peer that reconnects after an interrupted send), not a violation of the protocol. The frame
+    may come again, whole, on another connection."""
+
+
 class VersionMismatch(ProtocolError):
     """The two sides speak different protocol versions."""
 
@@ -523,7 +529,7 @@ class Connection:
                 self._pos = 0
         if filled < total:
             if self._eof:
-                raise ProtocolError(f"connection closed in the middle of a {total}-byte payload ({filled} received)")
+                raise StreamCut(f"connection closed in the middle of a {total}-byte payload ({filled} received)")
             return NEED_DATA
         self._pending = None
         # our own buffer is handed over as the bytearray; a sink's buffer as the view it gave
@@ -532,7 +538,7 @@ class Connection:
     def _starved(self, available: int):
         if self._eof:
             if available:
-                raise ProtocolError(f"connection closed in the middle of a frame ({available} bytes left over)")
+                raise StreamCut(f"connection closed in the middle of a frame ({available} bytes left over)")
             self.state = State.CLOSED
             return CLOSED
         return NEED_DATA

@@ -1,0 +1,115 @@
+"""Ctrl-C in the middle of a transfer (a notebook's interrupt during ``.cpu()`` of a large tensor
+or an upload). Python raises KeyboardInterrupt between two bytecodes: after ``recv_into`` had
+filled a buffer but before the bytes were counted, or halfway through a frame's send. The
+stream's place was lost: the next "frame header" read was payload bytes, and the node, seeing
+the client's connection end mid-frame, ended the session as for bad input. Now the client
+reconnects and resumes the session before its next message, and the node keeps a session whose
+connection was cut mid-frame for its client, as for any other cut.
+
+The interrupts are injected exactly there (a socket whose ``recv_into`` returns its bytes and
+then raises, whose ``sendmsg`` sends part of a frame and then raises): where a real signal lands
+is a matter of timing. A real SIGINT from a timer is tried too."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent("""
+    import os, signal, sys, threading, time
+    import torch, gpuwire
+    from gpuwire.client.device import runtime
+
+    class Torn:
+        '''The runtime's socket, until the ``after``-th call of ``method`` raises KeyboardInterrupt
+        once that call has moved its bytes (sendmsg: part of them).'''
+        def __init__(self, real, method, after):
+            self.real, self.method, self.after = real, method, after
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+        def recv_into(self, buffer, *args):
+            got = self.real.recv_into(buffer, *args)
+            self._count("recv_into")
+            return got
+        def sendmsg(self, buffers, *args):
+            if self.method == "sendmsg" and self.after == 1:
+                first = memoryview(buffers[0]).cast("B")
+                if len(first) > 4096 or len(buffers) > 1:
+                    self.real.sendmsg([first[:len(first) // 2]])  # half a frame's bytes leave, then the interrupt
+                    self.after = 0
+                    raise KeyboardInterrupt
+            sent = self.real.sendmsg(buffers, *args)
+            self._count("sendmsg")
+            return sent
+        def _count(self, method):
+            if self.method == method:
+                self.after -= 1
+                if self.after == 0:
+                    raise KeyboardInterrupt
+
+    gpuwire.attach(sys.argv[1])
+    rt = runtime()
+    host = torch.arange(12_000_000, dtype=torch.float32)  # 48 MB: 3 frames, many receives each
+    device = host.to("gpuwire")
+    counter = torch.zeros(1, device="gpuwire")
+    expected = 0
+    outcomes = []
+
+    def interrupted(call, method, after):
+        real = rt._sock
+        rt._sock = Torn(real, method, after)
+        try:
+            call()
+            return "finished"
+        except KeyboardInterrupt:
+            return "interrupted"
+        finally:
+            if isinstance(rt._sock, Torn):
+                rt._sock = real
+
+    for method, after in (("recv_into", 1), ("recv_into", 7), ("recv_into", 30), ("sendmsg", 1)):
+        counter.add_(1)  # queued before the transfer: it must run exactly once, whatever happens
+        expected += 1
+        if method == "recv_into":
+            outcome = interrupted(lambda: device.cpu(), method, after)
+        else:
+            outcome = interrupted(lambda: (host + 1).to("gpuwire"), method, after)
+        # everything after goes on as if the interrupted call had never been made
+        ok = torch.equal(device.cpu(), host) and torch.equal(((host + 1).to("gpuwire") - 1).cpu(), host)
+        outcomes.append(f"{method}@{after}: {outcome} {ok}")
+    os.environ.get("REAL_SIGNAL") and None
+    for delay in (0.01, 0.05):  # a real SIGINT, wherever it lands
+        counter.add_(1)
+        expected += 1
+        threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        try:
+            for _ in range(4):
+                device.cpu()
+        except KeyboardInterrupt:
+            pass
+        time.sleep(0.1)
+        outcomes.append(f"signal@{delay}: {torch.equal(device.cpu(), host)}")
+    outcomes.append(f"counter: {counter.item()} expected {float(expected)}")
+    print("\\n".join(outcomes))
+""")
+
+
+@pytest.mark.parametrize("durability", ["reconnect", "none"])
+def test_an_interrupt_in_the_middle_of_a_transfer_loses_nothing(node, durability):
+    done = subprocess.run([sys.executable, "-c", SCRIPT, node.address], capture_output=True, text=True, timeout=240,
+                          env={**__import__("os").environ, "GPUWIRE_DURABILITY": durability})
+    if durability == "none":
+        # nothing to resume with: the next call says the session is gone, and why (it read garbage before)
+        assert done.returncode != 0
+        assert "ConnectionLost" in done.stderr and "interrupted (KeyboardInterrupt) in the middle of a message" \
+            in done.stderr, done.stderr[-3000:]
+        return
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    for method, after in (("recv_into", 1), ("recv_into", 7), ("recv_into", 30), ("sendmsg", 1)):
+        assert f"{method}@{after}: interrupted True" in lines, (lines, done.stderr[-2000:])
+    assert "signal@0.01: True" in lines and "signal@0.05: True" in lines
+    assert lines[-1] == "counter: 6.0 expected 6.0"  # no command ran twice or was lost
+    assert "restored" in done.stderr and "interrupted (KeyboardInterrupt)" in done.stderr
+    assert "frame header" not in done.stderr  # the stream was never read out of place
