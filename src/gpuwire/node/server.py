@@ -339,12 +339,16 @@ class NodeServer:
             session.lease_expiry = float(claims["exp"]) if claims.get("exp") else session.lease_expiry
         old = self._sockets.get(session.id)
         if session.attached.is_set() and old is not None:
+            # the old connection is half-open, or its client gave up on it (an interrupt mid-message)
+            # while the session works through a long queue: end it at its next batch boundary
+            session.taking_over = True
             try:
-                old.shutdown(socket.SHUT_RDWR)  # the old connection is half-open: end it
+                old.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
         if not session.detached.wait(5.0):
             return None, "the session is still attached to another connection; retry"
+        session.taking_over = False
         session.detached.clear()
         session.attached.set()
         return session, None
@@ -539,6 +543,8 @@ class NodeServer:
         # longer than that was dropped as soon as a command reached it in two pieces)
         frame_started = None
         while True:
+            if session.taking_over:
+                raise ConnectionError("its client reconnected: the session goes on there")
             if starved:
                 # a frame that started must finish within frame_timeout: bytes trickling in
                 # without ever completing a command do not hold a slot

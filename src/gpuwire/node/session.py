@@ -173,6 +173,10 @@ class Session:
         self.attached = threading.Event()  # a connection serves this session now
         self.attached.set()
         self.detached = threading.Event()  # set once that connection has let go
+        # a resuming client waits to take the session over: the serving connection stops at its
+        # next batch boundary, with commands it received but did not run left for the client to
+        # resend (it resends every command after ``applied_seq``)
+        self.taking_over = False
         self.ops_run = 0
         self._next_node_id = NODE_ID_BASE
         self._live_ptrs: set[int] = set()
