@@ -100,10 +100,10 @@ def test_an_interrupt_in_the_middle_of_a_transfer_loses_nothing(node, durability
     done = subprocess.run([sys.executable, "-c", SCRIPT, node.address], capture_output=True, text=True, timeout=240,
                           env={**__import__("os").environ, "GPUWIRE_DURABILITY": durability})
     if durability == "none":
-        # nothing to resume with: the next call says the session is gone, and why (it read garbage before)
+        # nothing to resume with: a stream out of place ends the session with ConnectionLost at the
+        # next call, never with values read from the wrong bytes
         assert done.returncode != 0
-        assert "ConnectionLost" in done.stderr and "interrupted (KeyboardInterrupt) in the middle of a message" \
-            in done.stderr, done.stderr[-3000:]
+        assert "ConnectionLost" in done.stderr, done.stderr[-3000:]
         return
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()

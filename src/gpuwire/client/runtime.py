@@ -327,11 +327,17 @@ class Runtime:
         node's take-over; what it had not run is resent) before anything else is sent or read."""
         self._torn = False
         self._queue, self._queue_bytes = [], 0  # (in the recovery log: the resume sends them, once)
-        self.recovery.recover(ConnectionError("a transfer was interrupted (KeyboardInterrupt) in the middle of a "
-                                              "message"))
+        self.recovery.recover(ConnectionError("a send or receive was interrupted (KeyboardInterrupt), which leaves "
+                                              "where the stream stands unknown"))
 
-    def _interrupted_mid_message(self, exc: BaseException) -> None:
-        if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: raised between any two bytecodes
+    def _interrupted_mid_message(self, exc: BaseException, receiving: bool = False) -> None:
+        """``exc`` left a send or a receive. KeyboardInterrupt and SystemExit come between any two
+        bytecodes: the connection is torn. A receive is torn only where the bytes were taken
+        and not counted, which cannot be told from an interrupt of the wait itself (no bytes:
+        the common case, a Ctrl-C during a long ``.item()``): a session that can resume does so
+        (milliseconds); one that cannot (``GPUWIRE_DURABILITY=none``) goes on, and a stream
+        really out of place fails as a protocol error at the next read."""
+        if not isinstance(exc, Exception) and (not receiving or self.recovery.can_recover):
             self._torn = True
 
     # ------------------------------------------------------------ queue
@@ -375,9 +381,10 @@ class Runtime:
             self._eager_left = self._flush_eager
             self._flush_age = 0.0 if self._flush_eager else self._flush_age_first
         self._check_alive()
-        parts, self._queue = self._queue, []
-        self._queue_bytes = 0
         try:
+            # (inside: an interrupt between taking the queue and sending it lost those commands)
+            parts, self._queue = self._queue, []
+            self._queue_bytes = 0
             self.bytes_sent += send_parts(self._sock, parts)
         except OSError as exc:
             self.recovery.recover(exc)  # resends ``parts`` (they are in the log) or raises ConnectionLost
@@ -435,7 +442,7 @@ class Runtime:
             except OSError as exc:
                 raise self._lost(exc) from None
             except BaseException as exc:
-                self._interrupted_mid_message(exc)
+                self._interrupted_mid_message(exc, receiving=True)
                 raise
             if not received:
                 event = conn.next_event()
