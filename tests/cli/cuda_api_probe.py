@@ -401,7 +401,21 @@ def cuda_1_is_refused_as_cuda_does():
             make()
         except RuntimeError as exc:
             refused.append("invalid device ordinal" in str(exc) and "torchrun" in str(exc))
-    return refused + [str(torch.ones(1, device="cuda:0").device)]
+    # as CUDA's: set_device raises a RuntimeError ("invalid device ordinal"), the property
+    # functions an AssertionError ("Invalid device id"); they described a device 2 that was not there
+    try:
+        torch.cuda.set_device(1)
+        refused.append(False)
+    except RuntimeError as exc:
+        refused.append("invalid device ordinal" in str(exc))
+    for describe in (torch.cuda.get_device_name, torch.cuda.get_device_properties, torch.cuda.get_device_capability):
+        try:
+            describe(2)
+            refused.append(False)
+        except AssertionError as exc:
+            refused.append("Invalid device id" in str(exc))
+    torch.cuda.set_device(0)
+    return refused + [str(torch.ones(1, device="cuda:0").device), torch.cuda.get_device_name(0) == torch.cuda.get_device_name()]
 
 
 check("cuda:1 refused with one GPU", cuda_1_is_refused_as_cuda_does)

@@ -91,7 +91,8 @@ def test_initial_seed_is_the_seed_the_device_was_given(results):
 
 
 def test_a_device_index_past_the_sessions_gpus_is_refused(results):
-    assert results["cuda:1 refused with one GPU"] == {"ok": True, "value": [True, True, True, "cuda:0"]}
+    assert results["cuda:1 refused with one GPU"] == {"ok": True, "value": [True, True, True, True, True, True, True,
+                                                                              "cuda:0", True]}
 
 
 def test_default_generators_is_the_sessions_generator(results):

@@ -162,6 +162,7 @@ def _remote_info() -> dict:
 
 
 def _properties(device=None):
+    _torch_module.check_device_id(device)
     info = _remote_info()
     major, minor = _capability_of(info)
     return types.SimpleNamespace(
@@ -214,9 +215,9 @@ def _cuda_functions() -> dict:
         # nothing is captured into a CUDA graph (``torch.cuda.graph`` is refused): SyncBatchNorm's
         # forward and transformers ask before every host read
         "is_current_stream_capturing": lambda: False,
-        "get_device_name": lambda device=None: _remote_info().get("name", "gpuwire device"),
+        "get_device_name": lambda device=None: _properties(device).name,
         "get_device_properties": _properties,
-        "get_device_capability": lambda device=None: _capability_of(_remote_info()),
+        "get_device_capability": lambda device=None: (lambda p: (p.major, p.minor))(_properties(device)),
         "get_arch_list": lambda: ["sm_80"],
         "is_bf16_supported": lambda including_emulation=True: True,
         "synchronize": lambda device=None: _device.runtime().synchronize(),

@@ -122,17 +122,40 @@ def current_device() -> int:
     return _current[0]
 
 
+class InvalidDeviceOrdinal(RuntimeError, ValueError):
+    """``set_device`` of an index the session does not have: a RuntimeError, as CUDA's "invalid
+    device ordinal" is (scripts catch that), and a ValueError, as gpuwire raised before."""
+
+
+def _index_of(device) -> int | None:
+    if isinstance(device, str):
+        device = torch.device(device)
+    index = device.index if isinstance(device, torch.device) else device
+    return None if index in (None, -1) else index
+
+
+def _absent(index: int) -> str:
+    return (f"gpuwire device {index} does not exist: this session has one device"
+            + (" (index 0)" if VISIBLE_DEVICES == 1 else f", visible as indices 0-{VISIBLE_DEVICES - 1}"))
+
+
 def set_device(index) -> None:
-    if isinstance(index, str):
-        index = torch.device(index)
-    index = index.index if isinstance(index, torch.device) else index
-    if index in (None, -1):
+    index = _index_of(index)
+    if index is None:
         return
     if not 0 <= index < VISIBLE_DEVICES:
-        raise ValueError(f"gpuwire device {index} does not exist: this session has one device"
-                         + (" (index 0)" if VISIBLE_DEVICES == 1 else f", visible as indices 0-{VISIBLE_DEVICES - 1}"))
+        raise InvalidDeviceOrdinal(f"invalid device ordinal: {_absent(index)}")
     if TRACKS_INDEX[0]:
         _current[0] = index
+
+
+def check_device_id(device) -> None:
+    """``get_device_properties`` / ``get_device_name`` / ``get_device_capability`` of an index the
+    session does not have raise as PyTorch's CUDA functions do (AssertionError "Invalid device
+    id"), instead of describing a device that is not there."""
+    index = _index_of(device)
+    if index is not None and not 0 <= index < VISIBLE_DEVICES:
+        raise AssertionError(f"Invalid device id ({_absent(index)})")
 
 
 class device:
@@ -307,11 +330,13 @@ def empty_cache() -> None:
 
 
 def get_device_properties(device=None) -> types.SimpleNamespace:
+    check_device_id(device)
     info = _device.runtime().device_info
     return types.SimpleNamespace(**info)
 
 
 def get_device_name(device=None) -> str:
+    check_device_id(device)
     return _device.runtime().device_info.get("name", "gpuwire device")
 
 
