@@ -82,6 +82,9 @@ SCRIPT = textwrap.dedent("""
     sent = torch.tensor([float(rank)]).to(device)
     dist.broadcast(sent, src=world - 1)
     dist.barrier()
+    if backend == "gloo":  # (gloo's own; PyTorch refuses it for NCCL, on CUDA too)
+        import datetime
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=60), wait_all_ranks=True)
     reduced = torch.tensor([float(rank + 1)]).to(device)
     dist.reduce(reduced, dst=0)
     collected = [torch.zeros(1).to(device) for _ in range(world)] if rank == 0 else None

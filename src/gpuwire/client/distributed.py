@@ -14,6 +14,7 @@ ordinary device↔host transfers.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import sys
 
@@ -244,6 +245,24 @@ def _get_backend_as_asked(original):
     return get_backend
 
 
+def _monitored_barrier_as_asked(original):
+    """``monitored_barrier`` is gloo's, and PyTorch refuses it unless the group's backend is
+    "gloo": the device map is not. A program that asked for gloo gets it, on the group's host
+    (gloo) backend, as a gloo run does; one that asked for NCCL is refused as it is on CUDA."""
+    @functools.wraps(original)
+    def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
+        c10d = dist.distributed_c10d
+        if _asked[0] != "gloo" or c10d._rank_not_in_group(group) or c10d.get_backend(group) != DEVICE_MAP:
+            return original(group, timeout, wait_all_ranks)
+        if timeout is None:
+            timeout = c10d._get_default_timeout(dist.Backend.GLOO)
+        elif isinstance(timeout, (int, float)):
+            timeout = datetime.timedelta(seconds=timeout)
+        group_to_use = c10d._get_default_group() if group is None else group
+        return group_to_use.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+    return monitored_barrier
+
+
 def _staged_all_gather_into_tensor(original):
     @functools.wraps(original)
     def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
@@ -431,6 +450,7 @@ def install() -> None:
     # through the name DeviceMesh imported, with no backend: torch then chose NCCL for "cuda"
     dist.init_process_group = dist.distributed_c10d.init_process_group = init_process_group
     dist.get_backend = _get_backend_as_asked(dist.get_backend)  # (c10d's own name stays the real one)
+    dist.monitored_barrier = _monitored_barrier_as_asked(dist.monitored_barrier)
     device_mesh = sys.modules.get("torch.distributed.device_mesh")
     if device_mesh is not None and getattr(device_mesh, "init_process_group", None) is original:
         device_mesh.init_process_group = init_process_group
