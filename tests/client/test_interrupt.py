@@ -20,6 +20,8 @@ SCRIPT = textwrap.dedent("""
     import os, signal, sys, threading, time
     import torch, gpuwire
     from gpuwire.client.device import runtime
+    # (a test runner's worker may start this process with SIGINT ignored; a notebook kernel raises)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     class Torn:
         '''The runtime's socket, until the ``after``-th call of ``method`` raises KeyboardInterrupt
@@ -118,6 +120,7 @@ def test_an_interrupt_in_the_middle_of_a_transfer_loses_nothing(node, durability
 LONG_QUEUE = textwrap.dedent("""
     import os, signal, sys, threading, time
     import torch, gpuwire
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (as above)
     gpuwire.attach(sys.argv[1])
     n, steps = 1200, 100
     order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
