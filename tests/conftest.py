@@ -106,6 +106,40 @@ def fresh_node():
     proc.kill()
 
 
+# The files that take longest, longest first (seconds in a clean CI run, session 29). pytest-xdist
+# hands whole files to its two workers in collection order (``--no-loadscope-reorder`` in .ci/run;
+# by default it orders files by their number of tests, which put these few-test files last, where
+# one worker ran the distributed tests for minutes while the other had finished): started first,
+# the rest of the suite fills in around them.
+SLOWEST_FILES = (
+    "tests/cli/test_distributed.py",  # ~260 s
+    "tests/cli/test_run.py",  # ~230
+    "tests/failover/test_failover.py",  # ~160
+    "tests/bench/test_bench_smoke.py",  # ~100
+    "tests/client/test_native.py",  # ~75
+    "tests/failover/test_reconnect.py",  # ~65
+    "tests/conformance/test_error_inputs.py",  # ~65
+    "tests/client/test_sharing.py",
+    "tests/node/test_request_fuzz.py",
+    "tests/cli/test_cuda_api.py",
+    "tests/protocol/test_fuzz.py",
+    "tests/conformance/test_opinfo.py",
+    "tests/client/test_interrupt.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {path: i for i, path in enumerate(SLOWEST_FILES)}
+    root = config.rootpath
+    def file_rank(item):
+        try:
+            relative = item.path.relative_to(root).as_posix()
+        except ValueError:
+            return len(rank)
+        return rank.get(relative, len(rank))
+    items.sort(key=file_rank)  # (stable: each file's own order, and the other files', as collected)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     """``GPUWIRE_CHECK_ACCOUNTING=1``: after every test, the node's count of this session's bytes

@@ -139,9 +139,11 @@ LONG_QUEUE = textwrap.dedent("""
         print("interrupted")
     small = torch.arange(3.0, device="gpuwire")
     print("small:", small.cpu().tolist())
-    expected = start
-    for _ in range(steps):
-        expected = expected @ perm
+    expected = start.clone()
+    for _ in range(steps):  # (x @ perm moves column i to order[i]: the same, without the matmuls)
+        moved = torch.empty_like(expected)
+        moved[:, order] = expected
+        expected = moved
     print("chain equal:", torch.equal(c.cpu(), expected), "seconds:", round(time.monotonic() - t0, 1))
 """)
 
