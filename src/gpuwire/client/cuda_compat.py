@@ -173,6 +173,11 @@ def _properties(device=None):
         software=bool(info.get("software")))
 
 
+def _capability(device=None) -> tuple[int, int]:
+    _torch_module.check_device_id(device)
+    return _capability_of(_remote_info())
+
+
 def _capability_of(info: dict) -> tuple[int, int]:
     if info.get("software"):
         # the CPU backend runs fp16/bf16 ops; report an Ampere-class capability so libraries
@@ -217,7 +222,7 @@ def _cuda_functions() -> dict:
         "is_current_stream_capturing": lambda: False,
         "get_device_name": lambda device=None: _properties(device).name,
         "get_device_properties": _properties,
-        "get_device_capability": lambda device=None: (lambda p: (p.major, p.minor))(_properties(device)),
+        "get_device_capability": _capability,
         "get_arch_list": lambda: ["sm_80"],
         "is_bf16_supported": lambda including_emulation=True: True,
         "synchronize": lambda device=None: _device.runtime().synchronize(),

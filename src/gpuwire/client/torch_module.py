@@ -154,7 +154,7 @@ def check_device_id(device) -> None:
     session does not have raise as PyTorch's CUDA functions do (AssertionError "Invalid device
     id"), instead of describing a device that is not there."""
     index = _index_of(device)
-    if index is not None and not 0 <= index < VISIBLE_DEVICES:
+    if isinstance(index, int) and not 0 <= index < VISIBLE_DEVICES:  # (anything else: described as before)
         raise AssertionError(f"Invalid device id ({_absent(index)})")
 
 
