@@ -450,6 +450,14 @@ def test_run_and_smi_ask_the_node_without_importing_torch(node):
     assert listed.returncode == 0 and listed.stdout.startswith("GPU 0: "), listed.stderr
 
 
+def test_run_with_an_embedded_node_never_imports_torch_in_the_launcher():
+    # stopping the embedded node imported the client's device layer (torch: ~2 s) after the
+    # program had exited, so every `gpuwire run` without a node ended 2 s late
+    done, imported = _launcher_imports("run", "-q", "--", "true")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "gpuwire.client.embedded" in imported and "torch" not in imported
+
+
 FAILING_EMBEDDED_NODE = textwrap.dedent('''
     import subprocess, sys
     from gpuwire.client import embedded

@@ -123,8 +123,11 @@ def stop_embedded_node() -> None:
     process, _process = _process, None
     if process is None:
         return
-    from . import device
-    device.detach()
+    # the launcher of `gpuwire run` never imported torch: importing the device layer only to
+    # detach would add torch's import (2-3 s) to every run's exit
+    device = sys.modules.get(f"{__package__}.device")
+    if device is not None:
+        device.detach()
     try:
         process.stdin.close()
         process.wait(timeout=5)
