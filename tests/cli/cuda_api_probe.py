@@ -32,6 +32,12 @@ check("mem_get_info", lambda: list(torch.cuda.mem_get_info()))
 check("current_device", lambda: torch.cuda.current_device())
 check("set_device", lambda: torch.cuda.set_device(0))
 check("is_bf16_supported", lambda: torch.cuda.is_bf16_supported())
+check("get_device_properties printed as CUDA's", lambda: repr(torch.cuda.get_device_properties(0)))
+check("NVML readings", lambda: [torch.cuda.utilization(), torch.cuda.temperature(), torch.cuda.power_draw(),
+                                torch.cuda.clock_rate(), torch.cuda.memory_usage()])
+check("torch.cuda.nccl.version", lambda: list(torch.cuda.nccl.version()))
+check("jiterator refused", lambda: torch.cuda.jiterator._create_jit_fn("template <typename T> T f(T x) { return x; }"))
+check("caching_allocator_alloc refused", lambda: torch.cuda.caching_allocator_alloc(1024))
 
 
 def memory_stats():

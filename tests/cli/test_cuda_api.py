@@ -56,6 +56,18 @@ def test_reported_values(results):
     assert results["torch.save/torch.load(map_location='cuda')"]["value"] == "cuda:0"
 
 
+def test_device_properties_nvml_readings_and_nccl_version_answer_as_on_cuda(results):
+    # printed (scripts log it) as CUDA's `_CudaDeviceProperties(...)`, not `namespace(...)`
+    printed = results["get_device_properties printed as CUDA's"]["value"]
+    assert printed.startswith("_CudaDeviceProperties(name='gpuwire") and "total_memory=" in printed, printed
+    # pynvml-backed readings raised ModuleNotFoundError; utilization is the node's (idle here)
+    readings = results["NVML readings"]
+    assert readings["ok"] and all(isinstance(v, int) and 0 <= v <= 100 for v in readings["value"]), readings
+    assert results["torch.cuda.nccl.version"] == {"ok": True, "value": [2, 27, 5]}
+    for refused in ("jiterator refused", "caching_allocator_alloc refused"):
+        assert not results[refused]["ok"] and "not supported by gpuwire" in results[refused]["error"], results[refused]
+
+
 def test_cuda_graphs_fail_with_a_clear_message(results):
     assert not results["torch.cuda.graphs"]["ok"]
     assert "not supported by gpuwire" in results["torch.cuda.graphs"]["error"]

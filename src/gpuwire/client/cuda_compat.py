@@ -161,11 +161,21 @@ def _remote_info() -> dict:
     return _device.runtime().device_info
 
 
+class _DeviceProperties(types.SimpleNamespace):
+    """``torch.cuda.get_device_properties()``: the attributes CUDA's has, printed as CUDA prints
+    them (scripts log it; a namespace printed as ``namespace(...)``)."""
+
+    def __repr__(self) -> str:
+        return (f"_CudaDeviceProperties(name='{self.name}', major={self.major}, minor={self.minor}, "
+                f"total_memory={self.total_memory // (1 << 20)}MB, multi_processor_count={self.multi_processor_count}, "
+                f"uuid={self.uuid}, L2_cache_size={self.L2_cache_size // (1 << 20)}MB)")
+
+
 def _properties(device=None):
     _torch_module.check_device_id(device)
     info = _remote_info()
     major, minor = _capability_of(info)
-    return types.SimpleNamespace(
+    return _DeviceProperties(
         name=info.get("name", "gpuwire device"), total_memory=int(info.get("total_memory", 0)),
         major=major, minor=minor, multi_processor_count=int(info.get("multi_processor_count", 1)),
         is_integrated=False, is_multi_gpu_board=False, uuid=f"gpuwire-{info.get('index', 0)}",
@@ -247,7 +257,10 @@ def _cuda_functions() -> dict:
         "default_stream": _default_stream,
         "stream": _stream_context,
         "set_stream": lambda stream: None,
-        "utilization": lambda device=None: 0,
+        "utilization": _utilization,
+        # NVML's sensors (torch asks pynvml, which needs a local driver): not measured by a node;
+        # 0, as ``nvidia-smi`` here says N/A, rather than a ModuleNotFoundError in a logging line
+        **{name: (lambda device=None: 0) for name in ("temperature", "power_draw", "clock_rate", "memory_usage")},
         "CUDAGraph": _CUDAGraph,
         "graph": _CUDAGraph,
         "make_graphed_callables": _unsupported("torch.cuda.make_graphed_callables", "call the modules directly"),
@@ -257,7 +270,21 @@ def _cuda_functions() -> dict:
         "set_sync_debug_mode": _set_sync_debug_mode,
         "get_sync_debug_mode": lambda: _sync_debug_mode[0],
         "memory_snapshot": lambda *args, **kwargs: [],
+        **{name: _unsupported(f"torch.cuda.{name} (a raw device pointer)", "allocate with torch.empty(..., device='cuda')")
+           for name in ("caching_allocator_alloc", "caching_allocator_delete")},
     }
+
+
+def _utilization(device=None) -> int:
+    """Percent of the time the node's device ran ops since the previous reading (``nvidia-smi``'s
+    utilization.gpu here), for every tenant of the device, as NVML counts it."""
+    _torch_module.check_device_id(device)
+    return int(round(_device.runtime().query("node").get("utilization", 0)))
+
+
+# the NCCL of the CUDA wheels torch 2.13 ships (``nvidia-nccl-cu12``): ``"nccl"`` runs as gpuwire's
+# host-staged collectives, and programs gate features on this version (accelerate, DeepSpeed)
+NCCL_VERSION = (2, 27, 5)
 
 
 _sync_debug_mode = [0]
@@ -840,6 +867,10 @@ def enable() -> None:
     _patch_legacy_types()
     _patch_default_tensor_type()
     _patch_nvtx()
+    torch.cuda.nccl.version = lambda: NCCL_VERSION
+    for name in ("_create_jit_fn", "_create_multi_output_jit_fn"):  # (they compile CUDA C++ here)
+        setattr(torch.cuda.jiterator, name, _unsupported(
+            f"torch.cuda.jiterator.{name}", "write the kernel with PyTorch ops, which run on the remote GPU"))
     _patch_autocast()
     _patch_serialization()
     _patch_default_device()
