@@ -498,6 +498,25 @@ def nvtx():
 check("torch.cuda.nvtx", nvtx)
 
 
+def double_backward_through_attention():
+    # under this mode the recomputed attention's decomposition was sent back to the fused op,
+    # which recomputed it again, for ever (the program hung)
+    def penalty(device):
+        x = torch.arange(48.0).div(17).sin().view(1, 2, 6, 4).to(device).requires_grad_()
+        out = torch.nn.functional.scaled_dot_product_attention(x, x * 2, x.cos(), is_causal=True)
+        (gx,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+        gx.square().sum().backward()
+        return [out.detach().cpu(), gx.detach().cpu(), x.grad.cpu()]
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.MATH):
+        want, got = penalty("cpu"), penalty("cuda")
+    return [torch.equal(want[0], got[0]), torch.equal(want[1], got[1]),
+            torch.allclose(want[2], got[2], rtol=1e-5, atol=1e-6)]
+
+
+check("double backward through attention", double_backward_through_attention)
+
+
 def generator():
     first = torch.randn(4, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
     again = torch.randn(4, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))

@@ -32,7 +32,7 @@ WORKS = ["is_available", "device_count", "get_device_name", "get_device_properti
          "set_default_tensor_type('torch.cuda.FloatTensor')",
          "torch.save tags cuda:0; torch.jit.load(map_location='cuda')", "torch.cuda.initial_seed",
          "cuda:1 refused with one GPU", "torch.cuda.default_generators", "torch.compile", "nn.DataParallel",
-         "torch.accelerator", "torch.cuda.nvtx", "Generator(device='cuda')", "torch.cuda.FloatTensor and friends",
+         "torch.accelerator", "torch.cuda.nvtx", "double backward through attention", "Generator(device='cuda')", "torch.cuda.FloatTensor and friends",
          "set_per_process_memory_fraction", "torch.cuda.device / device_of / StreamContext",
          "is_current_stream_capturing", "can_device_access_peer / get_allocator_backend",
          "pinned factories, safetensors load_file/safe_open(device='cuda')",

@@ -47,3 +47,33 @@ def test_grad_through_dropout_draws_what_a_local_run_draws(device):
     torch.manual_seed(5)
     got = grad(lambda t: (drop(t) * t).sum())(q.to(device))
     assert torch.equal(got.cpu(), want)
+
+
+def _gradient_penalty(device, dropout_p: float):
+    """A gradient penalty through attention (``create_graph=True``, then a second backward), as a
+    local run computes it under ``sdpa_kernel(SDPBackend.MATH)``: the kernel with a double backward."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    torch.manual_seed(11)
+    proj = torch.nn.Linear(8, 24).to(device)
+    x = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(3)).to(device).requires_grad_()
+    torch.manual_seed(12)  # (the dropout's draws: the local generator's, or the node's)
+    with sdpa_kernel(SDPBackend.MATH):
+        q, k, v = proj(x).unsqueeze(1).chunk(3, dim=-1)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        (gx,) = torch.autograd.grad((out ** 2).sum(), x, create_graph=True)
+        penalty = (gx.norm(dim=-1) - 1).pow(2).mean()
+        penalty.backward()
+    return [t.detach().cpu() for t in (out, gx, penalty, proj.weight.grad, x.grad)]
+
+
+def test_double_backward_through_attention_as_a_local_run(device):
+    # the second backward raised "element 0 of tensors does not require grad": the node's kept
+    # graph gives first-order gradients only; with dropout the recomputation draws the forward's mask
+    for dropout_p in (0.0, 0.3):
+        want, got = _gradient_penalty("cpu", dropout_p), _gradient_penalty(device, dropout_p)
+        for a, b in zip(want[:3], got[:3]):  # the output, the first-order gradient, the penalty
+            assert torch.equal(a, b), (dropout_p, (a - b).abs().max())
+        # the second-order gradients add the same terms in another order (the recomputed
+        # attention is a second copy of the forward in the graph): float rounding apart
+        for a, b in zip(want[3:], got[3:]):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)

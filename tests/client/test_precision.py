@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import gpuwire
 from gpuwire.node.ops import math_mode
@@ -167,3 +168,27 @@ def test_a_node_in_the_clients_own_process_applies_the_settings_once(tmp_path):
                           timeout=120, env={k: v for k, v in os.environ.items() if k != "GPUWIRE_NODE"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["torch.float64", "[0.3333333333333333,", "0.3333333333333333]", "True"]
+
+
+def test_sdpa_kernel_choice_reaches_the_node(node, device):
+    # `sdpa_kernel(SDPBackend.MATH)` set the flags here only: the node ran its flash kernel,
+    # whose results differ from a local math run in the last bits
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 64, 32, generator=g) for _ in range(3))
+
+    def attention(dev):
+        a, b, c = (t.to(dev).requires_grad_() for t in (q.clone(), k.clone(), v.clone()))
+        out = F.scaled_dot_product_attention(a, b, c, is_causal=True)
+        out.square().sum().backward()
+        return [t.detach().cpu() for t in (out, a.grad, b.grad, c.grad)]
+    defaults = _node_flags()
+    assert defaults["sdp.flash"] is True and defaults["sdp.math"] is True
+    for backend in (SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION]):
+        with sdpa_kernel(backend, set_priority=isinstance(backend, list)):
+            flags = _node_flags()
+            assert flags == math_mode(), flags
+            want, got = attention("cpu"), attention(device)
+        for a, b in zip(want, got):
+            assert torch.equal(a, b), (backend, (a - b).abs().max())
+    assert _node_flags() == defaults  # back as the context left them

@@ -38,7 +38,7 @@ def _sdpa_out_shape(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     meta device's (the node copies the result into it if its kernel chose another)."""
     key = (q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(), v.dtype,
            None if attn_mask is None else (attn_mask.shape, attn_mask.stride(), attn_mask.dtype),
-           dropout_p > 0.0, is_causal, enable_gqa)
+           dropout_p > 0.0, is_causal, enable_gqa, _allowed_kernels())
     spec = _SDPA_SPECS.get(key)
     if spec is not None:
         return spec
@@ -54,7 +54,7 @@ def _sdpa_out_shape(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
               k.shape[:-2], k.dtype, k.stride(-1) == 1, v.shape[-1], v.dtype, v.stride(-1) == 1,
               q.shape[-2] > 0, k.shape[-2] > 0, q.shape[-1],
               None if attn_mask is None else (attn_mask.dtype, tuple(size == 1 for size in attn_mask.shape)),
-              dropout_p > 0.0, is_causal, enable_gqa)
+              dropout_p > 0.0, is_causal, enable_gqa, key[-1])
     kind = _SDPA_FAMILIES.get(family)
     if kind is not None:
         spec = _device.output_spec(shape, _sdpa_layout(kind, shape), q.dtype)
@@ -85,6 +85,14 @@ def _sdpa_out_shape(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if len(_SDPA_SPECS) < 4096:
         _SDPA_SPECS[key] = spec
     return spec
+
+
+def _allowed_kernels() -> tuple:
+    """The attention kernels SDPA may pick (``sdpa_kernel``; the node gets the same flags,
+    ``client/precision.py``): they decide the output's layout."""
+    c = torch._C
+    return (c._get_flash_sdp_enabled(), c._get_mem_efficient_sdp_enabled(), c._get_math_sdp_enabled(),
+            c._get_cudnn_sdp_enabled())
 
 
 def _cuda_takes_efficient_attention(q, k, v) -> bool:
@@ -175,6 +183,8 @@ class _RemoteSDPA(torch.autograd.Function):
         q, k, v, attn_mask, rng_state, handle = ctx.saved_tensors
         dropout_p, is_causal, scale, enable_gqa = ctx.options
         wanted = [q, k, v] + ([attn_mask] if ctx.mask_requires_grad else [])
+        if torch.is_grad_enabled():
+            return _differentiable_backward(ctx, grad_out, wanted, rng_state)
         specs = _specs_like(*wanted)
         if ctx.sequence_major:
             efficient = q.dtype == torch.float32  # (the kernel a sequence-major float32 result came from)
@@ -188,6 +198,40 @@ class _RemoteSDPA(torch.autograd.Function):
             {}, specs)
         grads = list(grads) + [None] * (4 - len(grads))
         return grads[0], grads[1], grads[2], grads[3], None, None, None, None
+
+
+def _differentiable_backward(ctx, grad_out, wanted, rng_state):
+    """The backward as ops autograd can differentiate again: ``create_graph=True`` (a gradient
+    penalty, a Hessian-vector product, MAML) with attention in the model. The node's kept graph
+    gives gradients that carry no graph of their own (the second backward raised "element 0 of
+    tensors does not require grad"), so the attention is recomputed here through SDPA's math
+    decomposition, as a local run under ``sdpa_kernel(SDPBackend.MATH)`` computes it (the math
+    path is the one with a double backward on CPU and CUDA alike), with the node's generator put
+    back where the forward started so dropout draws the forward's mask."""
+    # each input through a view of its own: the gradients asked for are the partial ones (a key
+    # computed from the query, ``k = x * 2`` with ``q = x``, would otherwise add its path into
+    # the query's gradient, which autograd then adds again); the views keep the graph to the inputs
+    wanted = [t.view_as(t) for t in wanted]
+    q, k, v, attn_mask = (*wanted[:3], wanted[3] if len(wanted) > 3 else ctx.saved_tensors[3])
+    dropout_p, is_causal, scale, enable_gqa = ctx.options
+    restore = None
+    if dropout_p > 0.0:
+        from . import torch_module
+        restore = torch_module.get_rng_state()
+        torch_module.set_rng_state(rng_state.cpu())
+    try:
+        # (torch-function modes off: under CUDA compatibility the mode's handler sent the
+        # composite's call back through the dispatcher, to this Function again, for ever)
+        with torch._C.DisableTorchFunction():
+            out = torch.ops.aten.scaled_dot_product_attention.default.decompose(
+                q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    finally:
+        if restore is not None:
+            torch_module.set_rng_state(restore)
+    needed = [t for t in wanted if t.requires_grad]
+    found = iter(torch.autograd.grad(out, needed, grad_out, create_graph=True, allow_unused=True) if needed else ())
+    grads = [next(found) if t.requires_grad else None for t in wanted] + [None] * (4 - len(wanted))
+    return grads[0], grads[1], grads[2], grads[3], None, None, None, None
 
 
 _PYTHON_KEY = torch._C.DispatchKey.Python

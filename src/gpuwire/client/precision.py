@@ -1,6 +1,6 @@
 """Math-mode flags follow the program to the node: TF32, float32 matmul precision,
-reduced-precision reductions, deterministic algorithms, cuDNN's benchmark/deterministic, and
-the default dtype.
+reduced-precision reductions, deterministic algorithms, cuDNN's benchmark/deterministic, SDPA's
+allowed attention kernels, and the default dtype.
 
 Sits beside ``client.device``. ``torch.backends.cuda.matmul.allow_tf32 = True``,
 ``torch.set_float32_matmul_precision("high")``, ``torch.backends.cudnn.allow_tf32``,
@@ -13,7 +13,8 @@ in order) and queues the whole list to the node as one op, ``gpuwire::precision`
 with the program's other ops. The node replays the calls, so the same C++ links between the
 flags hold there as here, and applies them only while this session's ops run (other tenants
 keep theirs). A new session (first connection, resume elsewhere, rebuild after a failure) is
-sent the list too. What crosses: the setter names and their bool/str arguments.
+sent the list too. What crosses: the setter names and their bool/str arguments (a list of ints for SDPA's
+backend priority order).
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ SETTERS = (
     # program set: float64 values came back rounded through float32. Recorded as its name;
     # ``_set_default_tensor_type`` (``torch.set_default_tensor_type``) records it too.
     "_set_default_dtype", "_set_default_tensor_type",
+    # which attention kernels SDPA may pick (``torch.nn.attention.sdpa_kernel``,
+    # ``torch.backends.cuda.enable_flash_sdp(False)`` and kin): the node picks, so a program's
+    # ``sdpa_kernel(SDPBackend.MATH)`` (reproducibility, double backward) ran the node's flash
+    # kernel, and differed from a local run in the last bits
+    "_set_sdp_use_flash", "_set_sdp_use_mem_efficient", "_set_sdp_use_math", "_set_sdp_use_cudnn",
+    "_set_sdp_use_overrideable", "_set_sdp_use_fa3", "_set_math_sdp_allow_fp16_bf16_reduction",
+    "_set_sdp_priority_order",
 )
 
 _calls: dict[tuple, list] = {}  # flag -> [setter, *args] of its last setting, oldest first
@@ -82,6 +90,10 @@ def frame(conn, seq: int = 0) -> bytes:
     return conn.encode_op(seq, OP_NAME, [calls()], {}, ())
 
 
+def _is_int_list(value) -> bool:
+    return type(value) is list and len(value) <= 16 and all(type(v) is int for v in value)
+
+
 def install() -> None:
     """Wrap torch's setters (idempotent; no connection, nothing sent until a session exists)."""
     global _installed
@@ -103,7 +115,9 @@ def install() -> None:
                 if torch.get_default_dtype() != dtype_before:
                     from . import device as _device
                     _device.forget_learned_layouts()  # (learned under the other default dtype)
-            if all(type(a) in (bool, str) for a in args) and len(args) <= 3:
+            elif _name == "_set_sdp_priority_order":  # (a list of SDPBackend values)
+                args = ([int(backend) for backend in args[0]],)
+            if all(type(a) in (bool, str) or _is_int_list(a) for a in args) and len(args) <= 3:
                 _record(_name, args)
             return result
 

@@ -145,7 +145,10 @@ PRECISION_SETTERS = frozenset({
     "_set_cudnn_benchmark", "_set_cudnn_deterministic", "_set_cudnn_enabled",
     "_set_deterministic_algorithms", "_set_deterministic_fill_uninitialized_memory",
     "_set_default_dtype",  # (by name: the dtype of factories given none)
-})
+    "_set_sdp_use_flash", "_set_sdp_use_mem_efficient", "_set_sdp_use_math", "_set_sdp_use_cudnn",
+    "_set_sdp_use_overrideable", "_set_sdp_use_fa3", "_set_math_sdp_allow_fp16_bf16_reduction",
+    "_set_sdp_priority_order",  # (a list of ints)
+} & set(dir(torch._C)))
 DEFAULT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
                   "float64": torch.float64}
 
@@ -185,6 +188,13 @@ def _precision_defaults() -> tuple:
               ("_set_deterministic_algorithms", c._get_deterministic_algorithms(), c._get_deterministic_algorithms_warn_only()),
               ("_set_deterministic_fill_uninitialized_memory", c._get_deterministic_fill_uninitialized_memory()),
               ("_set_default_dtype", str(torch.get_default_dtype()).removeprefix("torch."))]
+    for flag in ("flash", "mem_efficient", "math", "cudnn", "overrideable", "fa3"):
+        if hasattr(c, f"_set_sdp_use_{flag}"):
+            calls.append((f"_set_sdp_use_{flag}", getattr(c, f"_get_{flag}_sdp_enabled")()))
+    if hasattr(c, "_set_math_sdp_allow_fp16_bf16_reduction"):
+        calls.append(("_set_math_sdp_allow_fp16_bf16_reduction", c._get_math_sdp_allow_fp16_bf16_reduction()))
+    if hasattr(c, "_set_sdp_priority_order"):
+        calls.append(("_set_sdp_priority_order", [int(b) for b in c._get_sdp_priority_order()]))
     if hasattr(c, "_get_fp32_precision_getter"):
         for backend in ("generic", "cuda", "mkldnn"):
             for op in ("all", "matmul", "conv", "rnn"):
@@ -219,7 +229,10 @@ def math_mode() -> dict:
                "cudnn.enabled": c._get_cudnn_enabled, "deterministic_algorithms": c._get_deterministic_algorithms,
                "deterministic_algorithms_warn_only": c._get_deterministic_algorithms_warn_only,
                "fill_uninitialized_memory": c._get_deterministic_fill_uninitialized_memory,
-               "default_dtype": lambda: str(torch.get_default_dtype()).removeprefix("torch.")}
+               "default_dtype": lambda: str(torch.get_default_dtype()).removeprefix("torch."),
+               "sdp.flash": c._get_flash_sdp_enabled, "sdp.mem_efficient": c._get_mem_efficient_sdp_enabled,
+               "sdp.math": c._get_math_sdp_enabled, "sdp.cudnn": c._get_cudnn_sdp_enabled,
+               "sdp.priority_order": lambda: [int(b) for b in c._get_sdp_priority_order()]}
     if hasattr(c, "_get_fp32_precision_getter"):
         for backend, op in (("cuda", "matmul"), ("cuda", "conv"), ("mkldnn", "matmul"), ("mkldnn", "conv")):
             getters[f"{backend}.{op}.fp32_precision"] = functools.partial(c._get_fp32_precision_getter, backend, op)
@@ -232,6 +245,13 @@ def math_mode() -> dict:
     return mode
 
 
+def _setter_argument(value) -> bool:
+    """A bool, a short string, or a short list of small ints (SDPA's backend priority order)."""
+    if type(value) is list:
+        return len(value) <= 16 and all(type(v) is int and 0 <= v < 64 for v in value)
+    return type(value) is bool or (type(value) is str and len(value) <= 32)
+
+
 def _precision(calls):
     """``gpuwire::precision``: the session's math-mode setter calls (``client/precision.py``),
     checked, tried, and kept for the session's later ops. A meta run (the allocation guard)
@@ -241,7 +261,7 @@ def _precision(calls):
     checked = []
     for call in calls:
         if (type(call) is not list or not call or call[0] not in PRECISION_SETTERS or len(call) > 4
-                or any(type(a) not in (bool, str) or (type(a) is str and len(a) > 32) for a in call[1:])):
+                or any(not _setter_argument(a) for a in call[1:])):
             raise ValueError(f"gpuwire::precision: {call!r} is not a math-mode setter call this node accepts")
         checked.append(tuple(call))
     session = getattr(CURRENT, "session", None)
