@@ -136,8 +136,10 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 def internal_overlap(t: torch.Tensor) -> bool:
-    """ATen's ``has_internal_overlap`` is YES: a stride of 0 over more than one element."""
-    return any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
+    """ATen's ``has_internal_overlap`` is YES: a stride of 0 over more than one element (of a
+    tensor with elements: an empty one is dense to ATen, whatever its strides; ``(2, 2, 0)`` with
+    a stride of 0, an empty batch of matrices, was refused)."""
+    return any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())) and t.numel() > 0
 
 
 def _no_overlap(inputs: tuple, outputs: tuple, partial_only: tuple = ()):
