@@ -183,3 +183,23 @@ def test_empty_results_with_a_zero_stride_are_not_refused_as_overlapping(device)
     assert x.shape == (2, 5, 0) and x.cpu().shape == (2, 5, 0)
     with pytest.raises(RuntimeError, match="single memory location"):  # with elements: refused as ATen does
         torch.mul(torch.ones(2, 2, device=device), 2.0, out=torch.empty(2, device=device).expand(2, 2))
+
+
+def test_factories_into_a_strided_out_tensor_write_through_its_strides(device):
+    """``torch.ones(5, out=x[::2])``: the factory resizes its out tensor to the size it already
+    has, which ATen leaves as it is; here it became contiguous, so the values went to x[0:5]
+    (test_ops.py's test_out, case "noncontiguous out=": ones, zeros, full, arange, linspace...)."""
+    calls = {"ones": lambda out: torch.ones(5, out=out), "zeros": lambda out: torch.zeros(5, out=out),
+             "full": lambda out: torch.full((5,), 3.0, out=out), "arange": lambda out: torch.arange(5.0, out=out),
+             "linspace": lambda out: torch.linspace(0, 1, 5, out=out)}
+    for name, call in calls.items():
+        expected_base = torch.full((10,), 7.0)
+        expected = call(expected_base[::2])
+        base = torch.full((10,), 7.0, device=device)
+        got = call(base[::2])
+        assert got.stride() == expected.stride() == (2,), name
+        assert torch.equal(base.cpu(), expected_base), name
+    x = torch.zeros(10, device=device)[::2]
+    assert x.resize_(5).stride() == (2,) and x.resize_(5, memory_format=torch.contiguous_format).stride() == (1,)
+    with pytest.raises(RuntimeError, match="Unsupported memory format"):
+        x.resize_(5, memory_format=torch.preserve_format)

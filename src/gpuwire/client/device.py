@@ -1910,7 +1910,13 @@ def _local_scalar_dense(op, args, kwargs):
 def _resize(op, args, kwargs):
     t, sizes = args[0], tuple(args[1])
     memory_format = args[2] if len(args) > 2 else kwargs.get("memory_format")
-    if memory_format is None or memory_format is torch.contiguous_format or memory_format is torch.preserve_format:
+    if memory_format is None and tuple(t.shape) == sizes:
+        # (ATen keeps the tensor as it is: ``torch.ones(5, out=x[::2])`` resizes its out tensor
+        # to its own size, and wrote base[0:5] instead of every other element)
+        return t
+    if memory_format is torch.preserve_format:
+        raise RuntimeError("Unsupported memory formatPreserve")
+    if memory_format is None or memory_format is torch.contiguous_format:
         strides = _contiguous_strides(sizes)
     else:
         strides = tuple(torch.empty(sizes, device="meta", memory_format=memory_format).stride())
