@@ -203,3 +203,14 @@ def test_factories_into_a_strided_out_tensor_write_through_its_strides(device):
     assert x.resize_(5).stride() == (2,) and x.resize_(5, memory_format=torch.contiguous_format).stride() == (1,)
     with pytest.raises(RuntimeError, match="Unsupported memory format"):
         x.resize_(5, memory_format=torch.preserve_format)
+
+
+def test_uint64_values_past_int64(device):
+    """``torch.full_like(uint64_tensor, 2**64 - 1)`` (test_out's NaN/max-filled out tensors):
+    the client's C++ kernel had no conversion for a number past int64 ("an argument of type UInt
+    the native kernel does not convert")."""
+    for value in (2**64 - 1, 2**63, 7):
+        expected = torch.full_like(torch.zeros(3, dtype=torch.uint64), value)
+        assert torch.equal(torch.full_like(torch.zeros(3, dtype=torch.uint64, device=device), value).cpu(), expected)
+        assert torch.equal(torch.full((3,), value, dtype=torch.uint64, device=device).cpu(), expected)
+        assert torch.equal(torch.zeros(3, dtype=torch.uint64, device=device).fill_(value).cpu(), expected)

@@ -1021,6 +1021,7 @@ struct OpKernel final : public c10::OperatorKernel {
       return list;
     }
     if (v.isInt()) return PyLong_FromLongLong(v.toInt());
+    if (v.isUnsigned()) return PyLong_FromUnsignedLongLong(v.toUInt());  // (a number past int64: uint64 fills)
     if (v.isSymInt()) {
       auto value = v.toSymInt().maybe_as_int();
       if (value) return PyLong_FromLongLong(*value);
