@@ -214,3 +214,23 @@ def test_uint64_values_past_int64(device):
         assert torch.equal(torch.full_like(torch.zeros(3, dtype=torch.uint64, device=device), value).cpu(), expected)
         assert torch.equal(torch.full((3,), value, dtype=torch.uint64, device=device).cpu(), expected)
         assert torch.equal(torch.zeros(3, dtype=torch.uint64, device=device).fill_(value).cpu(), expected)
+
+
+def test_an_integral_out_tensor_for_a_floating_result_is_refused_at_the_call(device):
+    """``torch.angle(x, out=long_tensor)``: ATen refuses the cast at the call; the meta kernels
+    let it be queued and the node's error came at the next sync point, charged to another line
+    (test_ops.py test_out case 4: angle, mv, linalg.solve_triangular)."""
+    x, v = torch.randn(3, 3), torch.randn(3)
+    calls = [lambda x, v, o: torch.angle(x, out=o), lambda x, v, o: torch.mv(x, v, out=o[0]),
+             lambda x, v, o: torch.linalg.solve_triangular(x, x, upper=True, out=o)]
+    for call in calls:
+        with pytest.raises(RuntimeError) as local:
+            call(x, v, torch.empty(3, 3, dtype=torch.long))
+        with pytest.raises(RuntimeError) as remote:  # (an out tensor that was written: see below)
+            call(x.to(device), v.to(device), torch.zeros(3, 3, dtype=torch.long, device=device))
+        assert str(local.value).splitlines()[0] in str(remote.value)
+    # (an ``empty`` passed on at once is taken for the out tensor C++ allocates for a structured
+    # kernel, whose dtype is right: it is not checked, and the node's error comes at the next sync)
+    # a cast that is safe still runs queued, and the session goes on
+    doubles = torch.add(x.to(device), 1, out=torch.empty(3, 3, dtype=torch.float64, device=device))
+    assert torch.equal(doubles.cpu(), torch.add(x, 1, out=torch.empty(3, 3, dtype=torch.float64)))

@@ -569,6 +569,8 @@ class MutatingPlan:
             out = _get_arg(args, kwargs, index, name, kwarg_only)
             if not isinstance(out, torch.Tensor) or (out is fresh and out.numel()):
                 continue
+            if self._cannot_take_result(op, args, kwargs, out):
+                return False
             if any(out is a for a in args):  # also read by the op: it may not be resized
                 with warnings.catch_warnings():  # (the meta kernel warns that it resized it)
                     warnings.simplefilter("ignore")
@@ -590,15 +592,28 @@ class MutatingPlan:
                 # the functional op's result: ``abs``, ``logical_and``, ``complex`` ... pass
                 # ``empty(0)`` to their out= kernel, and their result of a channels-last input
                 # is channels-last on CPU and CUDA (meta out= kernels resize it contiguous)
-                strides = self._functional_strides(op, args, kwargs)
+                strides = self._functional_result(op, args, kwargs)
                 if strides is not None and strides != out.stride() and tuple(shape) == strides[0] \
                         and dense_layout(shape, strides[1]):
                     out.as_strided_(shape, strides[1])
         return True
 
-    def _functional_strides(self, op, args, kwargs):
-        """(shape, strides) of the result of the functional op this single-out= op computes
-        (``abs.out`` -> ``abs``), or None."""
+    def _cannot_take_result(self, op, args, kwargs, out) -> bool:
+        """An integral out= tensor for a floating result (``torch.angle(x, out=long_tensor)``):
+        ATen refuses the cast at the call; a meta kernel that does not check it let the call be
+        queued, and the node's error came at the next sync point. Such a call then runs with a
+        reply (the node's own error, at this line)."""
+        if out.is_floating_point() or out.is_complex() or len(self.out_args) != 1 or not any(
+                isinstance(a, torch.Tensor) and (a.is_floating_point() or a.is_complex()) for a in args):
+            return False
+        entry = self._functional_entry(op, args, kwargs)
+        if entry is None:  # (the functional call refused by its meta kernel: ``mv`` of a long ``self``)
+            return self.functional is not False
+        return isinstance(entry, _MetaEntry) and len(entry.specs) == 1 and not torch.can_cast(entry.specs[0][2], out.dtype)
+
+    def _functional_entry(self, op, args, kwargs):
+        """The functional op's (``abs.out`` -> ``abs``) metadata entry for this call; None where
+        its meta kernel cannot say (``self.functional`` is False where there is no such op)."""
         if self.functional is None:
             found = mirror.functional_overload(op._schema) if len(self.out_args) == 1 else None
             self.functional = (FunctionalPlan(found[1]) if found is not None
@@ -606,10 +621,15 @@ class MutatingPlan:
         if not self.functional:
             return None
         out_names = {name for _, name, _ in self.out_args}
-        entry = self.functional.outputs(op, args, {k: v for k, v in kwargs.items() if k not in out_names})
+        return self.functional.outputs(op, args, {k: v for k, v in kwargs.items() if k not in out_names})
+
+    def _functional_result(self, op, args, kwargs):
+        """(shape, strides, dtype) of the result of the functional op this single-out= op
+        computes, or None."""
+        entry = self._functional_entry(op, args, kwargs)
         if not isinstance(entry, _MetaEntry) or len(entry.specs) != 1:
             return None
-        return entry.specs[0][0], entry.specs[0][1]
+        return entry.specs[0][0], entry.specs[0][1], entry.specs[0][2]
 
     def _call_sync_outs(self, op, args, kwargs):
         """Run an out= op whose out sizes are unknown here with a reply. Where the node's kernel
