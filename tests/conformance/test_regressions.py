@@ -231,6 +231,11 @@ def test_an_integral_out_tensor_for_a_floating_result_is_refused_at_the_call(dev
         assert str(local.value).splitlines()[0] in str(remote.value)
     # (an ``empty`` passed on at once is taken for the out tensor C++ allocates for a structured
     # kernel, whose dtype is right: it is not checked, and the node's error comes at the next sync)
+    # an empty out= of a full reduction is resized before the check (a node never resizes: the
+    # check's call with a reply failed "would resize an argument of shape [0] to []")
+    for reduce in (torch.all, torch.any):
+        got = reduce(x.to(device), out=torch.zeros(0, dtype=torch.bool, device=device))
+        assert got.shape == () and torch.equal(got.cpu(), reduce(x, out=torch.zeros(0, dtype=torch.bool)))
     # a cast that is safe still runs queued, and the session goes on
     doubles = torch.add(x.to(device), 1, out=torch.empty(3, 3, dtype=torch.float64, device=device))
     assert torch.equal(doubles.cpu(), torch.add(x, 1, out=torch.empty(3, 3, dtype=torch.float64)))

@@ -569,9 +569,9 @@ class MutatingPlan:
             out = _get_arg(args, kwargs, index, name, kwarg_only)
             if not isinstance(out, torch.Tensor) or (out is fresh and out.numel()):
                 continue
-            if self._cannot_take_result(op, args, kwargs, out):
-                return False
-            if any(out is a for a in args):  # also read by the op: it may not be resized
+            if any(out is a for a in args):
+                if self._cannot_take_result(op, args, kwargs, out):
+                    return False  # also read by the op: it may not be resized
                 with warnings.catch_warnings():  # (the meta kernel warns that it resized it)
                     warnings.simplefilter("ignore")
                     entry = self.checker.outputs(op, args, kwargs)
@@ -596,6 +596,8 @@ class MutatingPlan:
                 if strides is not None and strides != out.stride() and tuple(shape) == strides[0] \
                         and dense_layout(shape, strides[1]):
                     out.as_strided_(shape, strides[1])
+            if self._cannot_take_result(op, args, kwargs, out):  # (resized first: a node never resizes)
+                return False
         return True
 
     def _cannot_take_result(self, op, args, kwargs, out) -> bool:
