@@ -316,3 +316,76 @@ def test_factories_of_a_device_tensor_honor_their_device_argument(device):
     torch.manual_seed(0)
     got = torch.rand_like(torch.ones(5, device=device), device="cpu")
     assert got.device.type == "cpu" and torch.equal(got, want)
+
+
+def test_empty_results_with_a_zero_stride_are_not_refused_as_overlapping(device):
+    """An out tensor of shape (2, 2, 0) and strides (0, 1, 2) (a broadcast product of empty
+    matrices) was refused as "more than one element ... refers to a single memory location":
+    it has no element. 259 of 286 failures of test_ops.py's TestCommon (float32) in session 30
+    were this error or the ones it left queued (PyTorch's own full-rank sample maker hit it)."""
+    from torch.testing._internal.common_utils import make_fullrank_matrices_with_distinct_singular_values
+    u, s = torch.zeros(2, 2, 0), torch.zeros(2, 1, 0)
+    expected = u * s
+    assert torch.equal((u.to(device) * s.to(device)).cpu(), expected)
+    out = torch.empty_strided((2, 2, 0), (0, 1, 2), device=device)
+    assert torch.mul(u.to(device), s.to(device), out=out).shape == (2, 2, 0)
+    x = make_fullrank_matrices_with_distinct_singular_values(2, 5, 0, device=device, dtype=torch.float32)
+    assert x.shape == (2, 5, 0) and x.cpu().shape == (2, 5, 0)
+    with pytest.raises(RuntimeError, match="single memory location"):  # with elements: refused as ATen does
+        torch.mul(torch.ones(2, 2, device=device), 2.0, out=torch.empty(2, device=device).expand(2, 2))
+
+
+def test_factories_into_a_strided_out_tensor_write_through_its_strides(device):
+    """``torch.ones(5, out=x[::2])``: the factory resizes its out tensor to the size it already
+    has, which ATen leaves as it is; here it became contiguous, so the values went to x[0:5]
+    (test_ops.py's test_out, case "noncontiguous out=": ones, zeros, full, arange, linspace...)."""
+    calls = {"ones": lambda out: torch.ones(5, out=out), "zeros": lambda out: torch.zeros(5, out=out),
+             "full": lambda out: torch.full((5,), 3.0, out=out), "arange": lambda out: torch.arange(5.0, out=out),
+             "linspace": lambda out: torch.linspace(0, 1, 5, out=out)}
+    for name, call in calls.items():
+        expected_base = torch.full((10,), 7.0)
+        expected = call(expected_base[::2])
+        base = torch.full((10,), 7.0, device=device)
+        got = call(base[::2])
+        assert got.stride() == expected.stride() == (2,), name
+        assert torch.equal(base.cpu(), expected_base), name
+    x = torch.zeros(10, device=device)[::2]
+    assert x.resize_(5).stride() == (2,) and x.resize_(5, memory_format=torch.contiguous_format).stride() == (1,)
+    with pytest.raises(RuntimeError, match="Unsupported memory format"):
+        x.resize_(5, memory_format=torch.preserve_format)
+
+
+def test_uint64_values_past_int64(device):
+    """``torch.full_like(uint64_tensor, 2**64 - 1)`` (test_out's NaN/max-filled out tensors):
+    the client's C++ kernel had no conversion for a number past int64 ("an argument of type UInt
+    the native kernel does not convert")."""
+    for value in (2**64 - 1, 2**63, 7):
+        expected = torch.full_like(torch.zeros(3, dtype=torch.uint64), value)
+        assert torch.equal(torch.full_like(torch.zeros(3, dtype=torch.uint64, device=device), value).cpu(), expected)
+        assert torch.equal(torch.full((3,), value, dtype=torch.uint64, device=device).cpu(), expected)
+        assert torch.equal(torch.zeros(3, dtype=torch.uint64, device=device).fill_(value).cpu(), expected)
+
+
+def test_an_integral_out_tensor_for_a_floating_result_is_refused_at_the_call(device):
+    """``torch.angle(x, out=long_tensor)``: ATen refuses the cast at the call; the meta kernels
+    let it be queued and the node's error came at the next sync point, charged to another line
+    (test_ops.py test_out case 4: angle, mv, linalg.solve_triangular)."""
+    x, v = torch.randn(3, 3), torch.randn(3)
+    calls = [lambda x, v, o: torch.angle(x, out=o), lambda x, v, o: torch.mv(x, v, out=o[0]),
+             lambda x, v, o: torch.linalg.solve_triangular(x, x, upper=True, out=o)]
+    for call in calls:
+        with pytest.raises(RuntimeError) as local:
+            call(x, v, torch.empty(3, 3, dtype=torch.long))
+        with pytest.raises(RuntimeError) as remote:  # (an out tensor that was written: see below)
+            call(x.to(device), v.to(device), torch.zeros(3, 3, dtype=torch.long, device=device))
+        assert str(local.value).splitlines()[0] in str(remote.value)
+    # (an ``empty`` passed on at once is taken for the out tensor C++ allocates for a structured
+    # kernel, whose dtype is right: it is not checked, and the node's error comes at the next sync)
+    # an empty out= of a full reduction is resized before the check (a node never resizes: the
+    # check's call with a reply failed "would resize an argument of shape [0] to []")
+    for reduce in (torch.all, torch.any):
+        got = reduce(x.to(device), out=torch.zeros(0, dtype=torch.bool, device=device))
+        assert got.shape == () and torch.equal(got.cpu(), reduce(x, out=torch.zeros(0, dtype=torch.bool)))
+    # a cast that is safe still runs queued, and the session goes on
+    doubles = torch.add(x.to(device), 1, out=torch.empty(3, 3, dtype=torch.float64, device=device))
+    assert torch.equal(doubles.cpu(), torch.add(x, 1, out=torch.empty(3, 3, dtype=torch.float64)))
