@@ -2,6 +2,7 @@
 meta-learning) through ops the client sends whole with an ``autograd.Function`` (attention,
 dropout), compared with local CPU bit for bit."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
@@ -77,3 +78,26 @@ def test_double_backward_through_attention_as_a_local_run(device):
         # attention is a second copy of the forward in the graph): float rounding apart
         for a, b in zip(want[3:], got[3:]):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def _rnn_gradient_penalty(device, module, dropout: float):
+    torch.manual_seed(0)
+    rnn = module(4, 5, num_layers=2, dropout=dropout).to(device)
+    x = torch.randn(3, 2, 4, generator=torch.Generator().manual_seed(1)).to(device).requires_grad_()
+    out = rnn(x)[0]
+    (gx,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    gx.square().sum().backward()
+    return [t.detach().cpu() for t in (out, gx, x.grad, rnn.weight_hh_l0.grad)]
+
+
+def test_double_backward_through_rnn_layers(device):
+    # the second backward raised "element 0 of tensors does not require grad" (the node's
+    # recomputed backward gives gradients without a graph); CPU's RNNs have a double backward
+    for module in (torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN):
+        want, got = _rnn_gradient_penalty("cpu", module, 0.0), _rnn_gradient_penalty(device, module, 0.0)
+        assert torch.equal(got[0], want[0]), module  # (the forward is the node's own kernel)
+        for a, b in zip(want[1:], got[1:]):  # the recomputation is the composite's cell arithmetic
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    # dropout between layers cannot be redrawn as the forward drew it: refused, not wrong
+    with pytest.raises(RuntimeError, match="dropout between its layers is not supported"):
+        _rnn_gradient_penalty(device, torch.nn.LSTM, 0.5)

@@ -55,11 +55,41 @@ class _Recomputed(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         *flat, rng_state = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            return _differentiable_backward(ctx, grads, flat)
         args = _rebuild(ctx.args, iter(flat))
         specs = [_device.output_spec(t.shape, _device._contiguous_strides(tuple(t.shape)), t.dtype) for t in flat]
         input_grads = _device.submit_with_outputs(
             "gpuwire::backward_by_recompute", (ctx.plan.name, rng_state, list(grads), *args), {}, specs)
         return (None, None, *[g if need else None for g, need in zip(input_grads, ctx.needs_input_grad[2:])])
+
+
+def _differentiable_backward(ctx, grads, flat):
+    """The backward as ops autograd can differentiate again (``create_graph=True``): the node's
+    recomputation gives gradients without a graph of their own, so the op is recomputed here
+    through its composite (the cell arithmetic a CPU run without oneDNN does, each op remote;
+    gradients equal a local run's to float rounding). Each input goes through a view of its
+    own, so the gradients are the partial ones. Dropout between layers is refused: the
+    composite's masks are not drawn as the node's forward drew them."""
+    args = ctx.args
+    names = [a.name for a in ctx.plan.meta_op._schema.arguments]
+    if "dropout" in names and "train" in names and args[names.index("train")] and args[names.index("dropout")] > 0:
+        raise RuntimeError(
+            f"gpuwire: a double backward (create_graph=True) through {ctx.plan.name} with dropout between its "
+            "layers is not supported: the recomputation cannot draw the forward's dropout masks. Run this "
+            "pass with the RNN's dropout=0 (or in eval mode)")
+    flat = [t.view_as(t) for t in flat]
+    with torch._C.DisableTorchFunction():  # (see ``fused._differentiable_backward``)
+        result = ctx.plan.meta_op.decompose(*_rebuild(args, iter(flat)))
+    outputs = _flatten(result, [])
+    pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+    needed = [i for i in range(len(flat)) if ctx.needs_input_grad[2 + i]]
+    found = torch.autograd.grad([o for o, _ in pairs], [flat[i] for i in needed], [g for _, g in pairs],
+                                create_graph=True, allow_unused=True) if pairs and needed else ()
+    input_grads = [None] * len(flat)
+    for i, g in zip(needed, found):
+        input_grads[i] = g
+    return (None, None, *input_grads)
 
 
 def _forward(plan, args, options: dict):
