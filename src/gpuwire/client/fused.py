@@ -17,6 +17,7 @@ local CPU run does, returning the scaled mask for the backward): 1 message inste
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -208,30 +209,28 @@ def _differentiable_backward(ctx, grad_out, wanted, rng_state):
     decomposition, as a local run under ``sdpa_kernel(SDPBackend.MATH)`` computes it (the math
     path is the one with a double backward on CPU and CUDA alike), with the node's generator put
     back where the forward started so dropout draws the forward's mask."""
-    # each input through a view of its own: the gradients asked for are the partial ones (a key
-    # computed from the query, ``k = x * 2`` with ``q = x``, would otherwise add its path into
-    # the query's gradient, which autograd then adds again); the views keep the graph to the inputs
-    wanted = [t.view_as(t) for t in wanted]
-    q, k, v, attn_mask = (*wanted[:3], wanted[3] if len(wanted) > 3 else ctx.saved_tensors[3])
     dropout_p, is_causal, scale, enable_gqa = ctx.options
-    restore = None
-    if dropout_p > 0.0:
-        from . import torch_module
-        restore = torch_module.get_rng_state()
-        torch_module.set_rng_state(rng_state.cpu())
-    try:
-        # (torch-function modes off: under CUDA compatibility the mode's handler sent the
-        # composite's call back through the dispatcher, to this Function again, for ever)
-        with torch._C.DisableTorchFunction():
-            out = torch.ops.aten.scaled_dot_product_attention.default.decompose(
+
+    def attention(views):
+        q, k, v, attn_mask = (*views[:3], views[3] if len(views) > 3 else ctx.saved_tensors[3])
+        with _generator_at(rng_state) if dropout_p > 0.0 else contextlib.nullcontext():
+            return torch.ops.aten.scaled_dot_product_attention.default.decompose(
                 q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-    finally:
-        if restore is not None:
-            torch_module.set_rng_state(restore)
-    needed = [t for t in wanted if t.requires_grad]
-    found = iter(torch.autograd.grad(out, needed, grad_out, create_graph=True, allow_unused=True) if needed else ())
-    grads = [next(found) if t.requires_grad else None for t in wanted] + [None] * (4 - len(wanted))
+    grads = recompute.differentiable_grads(attention, wanted, ctx.needs_input_grad[:4], (grad_out,))
+    grads += [None] * (4 - len(grads))
     return grads[0], grads[1], grads[2], grads[3], None, None, None, None
+
+
+@contextlib.contextmanager
+def _generator_at(state: torch.Tensor):
+    """The node's generator at ``state`` (a device tensor) for the block, then back where it was."""
+    from . import torch_module
+    restore = torch_module.get_rng_state()
+    torch_module.set_rng_state(state.cpu())
+    try:
+        yield
+    finally:
+        torch_module.set_rng_state(restore)
 
 
 _PYTHON_KEY = torch._C.DispatchKey.Python

@@ -78,18 +78,30 @@ def _differentiable_backward(ctx, grads, flat):
             f"gpuwire: a double backward (create_graph=True) through {ctx.plan.name} with dropout between its "
             "layers is not supported: the recomputation cannot draw the forward's dropout masks. Run this "
             "pass with the RNN's dropout=0 (or in eval mode)")
-    flat = [t.view_as(t) for t in flat]
-    with torch._C.DisableTorchFunction():  # (see ``fused._differentiable_backward``)
-        result = ctx.plan.meta_op.decompose(*_rebuild(args, iter(flat)))
-    outputs = _flatten(result, [])
-    pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
-    needed = [i for i in range(len(flat)) if ctx.needs_input_grad[2 + i]]
-    found = torch.autograd.grad([o for o, _ in pairs], [flat[i] for i in needed], [g for _, g in pairs],
-                                create_graph=True, allow_unused=True) if pairs and needed else ()
-    input_grads = [None] * len(flat)
-    for i, g in zip(needed, found):
-        input_grads[i] = g
+    input_grads = differentiable_grads(lambda views: ctx.plan.meta_op.decompose(*_rebuild(args, iter(views))),
+                                       flat, ctx.needs_input_grad[2:], grads)
     return (None, None, *input_grads)
+
+
+def differentiable_grads(compute, inputs, needed, grads) -> list:
+    """Gradients of ``compute(inputs)`` that autograd can differentiate again (a backward under
+    ``create_graph=True``), for the inputs ``needed`` marks (None for the others). Each input
+    goes through a view of its own, so the gradients are the partial ones (a key computed from
+    the query, ``k = x * 2`` with ``q = x``, would otherwise add its path into the query's
+    gradient, which autograd then adds again); the views keep the graph to the inputs. Torch-
+    function modes are off while ``compute`` runs: under CUDA compatibility the mode's handler
+    sent a composite's call back through the dispatcher, to the Function asking, for ever."""
+    views = [t.view_as(t) for t in inputs]
+    with torch._C.DisableTorchFunction():
+        outputs = _flatten(compute(views), [])
+    pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+    wanted = [i for i, need in enumerate(needed[:len(views)]) if need]
+    found = torch.autograd.grad([o for o, _ in pairs], [views[i] for i in wanted], [g for _, g in pairs],
+                                create_graph=True, allow_unused=True) if pairs and wanted else ()
+    result = [None] * len(views)
+    for i, g in zip(wanted, found):
+        result[i] = g
+    return result
 
 
 def _forward(plan, args, options: dict):
