@@ -2238,11 +2238,13 @@ def register() -> None:
     _conv_backward_plan = _RenamedPlan(None, aten.convolution_backward.default, "aten::convolution_backward.default",
                                        _conv_backward_args)
     _aten_library = torch.library.Library("aten", "IMPL")
-    for name in _QUANTIZING_OPS:  # (from a float gpuwire tensor: they dispatch on PrivateUse1)
-        packet = getattr(aten, name, None)
-        for overload in packet.overloads() if packet is not None else ():
-            _aten_library.impl(name if overload == "default" else f"{name}.{overload}",
-                               functools.partial(_quantized_refused, getattr(packet, overload)), "PrivateUse1")
+    # (from a dense gpuwire tensor these dispatch on PrivateUse1, not on the layouts' keys above)
+    for names, refused in ((_QUANTIZING_OPS, _quantized_refused), (_SPARSIFYING_OPS, _sparse_refused)):
+        for name in names:
+            packet = getattr(aten, name, None)
+            for overload in packet.overloads() if packet is not None else ():
+                _aten_library.impl(name if overload == "default" else f"{name}.{overload}",
+                                   functools.partial(refused, getattr(packet, overload)), "PrivateUse1")
     _aten_library.impl("convolution_overrideable", _convolution_overrideable, "PrivateUse1")
     _aten_library.impl("convolution_backward_overrideable", _convolution_backward_overrideable, "PrivateUse1")
     # The Conjugate/Negative math-bit fallbacks resolve a lazy conj/neg input of _copy_from
@@ -2400,6 +2402,10 @@ def _per_op_kernel(qualified: str, tracing: bool):
             plan = _PLANS[op._op] = _make_plan(op)
         return plan(op, args, kwargs)
     return kernel
+
+
+# the ops that make a sparse tensor from a dense one (Tensor.to_sparse*, dense.to_sparse(layout=...))
+_SPARSIFYING_OPS = ("_to_sparse", "_to_sparse_csr", "_to_sparse_csc", "_to_sparse_bsr", "_to_sparse_bsc")
 
 
 def _sparse_refused(op, *args, **kwargs):
