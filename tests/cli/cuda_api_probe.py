@@ -448,9 +448,16 @@ check("torch.compile", lambda: torch.compile(torch.nn.Linear(2, 2).cuda())(torch
 
 
 def accelerator():
-    x = torch.ones(3, device=torch.accelerator.current_accelerator()) * 2
+    device = torch.accelerator.current_accelerator()
+    x = torch.ones(3, device=device) * 2
     torch.accelerator.synchronize()
-    return [torch.accelerator.is_available(), torch.accelerator.device_count() == 1, x.sum().item() == 6.0]
+    # the program is told "cuda", as its tensors' devices say (pytorch/examples' --accel picks
+    # its device this way and autocasts on its type); it named "gpuwire" before session 31
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        y = x[None] @ x[:, None]
+    return [torch.accelerator.is_available(), torch.accelerator.device_count() == 1, x.sum().item() == 6.0,
+            device.type == "cuda", x.device.type == device.type, y.dtype == torch.bfloat16,
+            torch.get_device_module(device) is torch.cuda]
 
 
 check("torch.accelerator", accelerator)

@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import device as _device
 from . import torch_module as _torch_module
-from .wire import DEVICE_TYPE, on_device
+from .wire import DEVICE_TYPE, called_by_pytorch, on_device
 
 CUDA_RUNTIME_VERSION = "12.8"  # what ``torch.version.cuda`` says under ``gpuwire run`` (see ``enable``)
 _base_device = torch._C.TensorBase.device.__get__
@@ -653,6 +653,23 @@ def _patch_distributed() -> None:
     torch._C._get_accelerator = _get_accelerator
 
 
+def _patch_accelerator() -> None:
+    """``torch.accelerator.current_accelerator()`` tells the program "cuda", as its tensors'
+    ``device`` does: scripts pick their device from it (pytorch/examples' ``--accel``) and
+    compare it with tensors' devices or pass its type to ``autocast``. PyTorch's own callers
+    (the DataLoader's pinning, distributed's device handles) keep the real device."""
+    original = torch.accelerator.current_accelerator
+
+    @functools.wraps(original)
+    def current_accelerator(check_available: bool = False):
+        device = original(check_available)
+        if device is None or device.type != DEVICE_TYPE or called_by_pytorch():
+            return device
+        return torch.device("cuda", device.index)
+
+    torch.accelerator.current_accelerator = current_accelerator
+
+
 def _patch_data_parallel() -> None:
     """``nn.DataParallel`` over the one gpuwire device: scattering uses CUDA-only C++ kernels,
     so it runs the module directly (after moving host inputs to the device, as scatter would)."""
@@ -877,6 +894,7 @@ def enable() -> None:
     _patch_compile()
     _patch_data_parallel()
     _patch_distributed()
+    _patch_accelerator()
     _patch_threads()
     _patch_python_backward()
     _patch_memory_history()

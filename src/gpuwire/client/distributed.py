@@ -35,7 +35,7 @@ from torch._C._distributed_c10d import (
 )
 from torch.futures import Future
 
-from .wire import DEVICE_TYPE, on_device
+from .wire import DEVICE_TYPE, called_by_pytorch, on_device
 
 BACKEND = "gpuwire"
 
@@ -238,8 +238,7 @@ def _get_backend_as_asked(original):
         backend = original(group)
         if _asked[0] is None or backend != DEVICE_MAP:
             return backend
-        caller = sys._getframe(1).f_globals.get("__name__", "")
-        if caller == "torch" or caller.startswith(("torch.", "gpuwire.")):
+        if called_by_pytorch():
             return backend
         return _asked[0]
     return get_backend

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import warnings
 
@@ -50,7 +51,17 @@ def on_device(t: torch.Tensor) -> bool:
     """Whether ``t`` is a gpuwire tensor, read from its dispatch keys: unlike ``t.device``,
     no TorchFunctionMode or CUDA-compatibility property can disguise them."""
     return _dispatch_keys(t).has(_PRIVATE_USE1)
+
+
 DEVICE_TYPE = "gpuwire"
+
+
+def called_by_pytorch(frames_up: int = 2) -> bool:
+    """Whether the function ``frames_up`` frames above this call's caller is PyTorch's (or
+    gpuwire's) own code: answers under CUDA compatibility that tell the program what it asked
+    for ("cuda", "nccl") must give PyTorch the real configuration, on which its code paths depend."""
+    caller = sys._getframe(frames_up).f_globals.get("__name__", "")
+    return caller == "torch" or caller.startswith(("torch.", "gpuwire."))
 
 
 class UnsupportedArgument(TypeError):
