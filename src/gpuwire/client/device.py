@@ -2245,6 +2245,7 @@ def register() -> None:
             for overload in packet.overloads() if packet is not None else ():
                 _aten_library.impl(name if overload == "default" else f"{name}.{overload}",
                                    functools.partial(refused, getattr(packet, overload)), "PrivateUse1")
+    _aten_library.impl("_lazy_clone", _lazy_clone, "PrivateUse1")
     _aten_library.impl("convolution_overrideable", _convolution_overrideable, "PrivateUse1")
     _aten_library.impl("convolution_backward_overrideable", _convolution_backward_overrideable, "PrivateUse1")
     # The Conjugate/Negative math-bit fallbacks resolve a lazy conj/neg input of _copy_from
@@ -2402,6 +2403,13 @@ def _per_op_kernel(qualified: str, tracing: bool):
             plan = _PLANS[op._op] = _make_plan(op)
         return plan(op, args, kwargs)
     return kernel
+
+
+def _lazy_clone(self):
+    """``torch._lazy_clone``: a copy-on-write clone needs the storage's data pointer to be the
+    one PyTorch's kernels write through, and a remote storage's is not (PyTorch raised "Expected
+    storage != nullptr"); an eager clone gives the same values, never aliased."""
+    return aten.clone.default(self)
 
 
 # the ops that make a sparse tensor from a dense one (Tensor.to_sparse*, dense.to_sparse(layout=...))
