@@ -660,10 +660,16 @@ DDP_VARIANTS_SCRIPT = textwrap.dedent("""
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as powerSGD
     where = sys.argv[1]
-    dist.init_process_group("nccl" if where == "cuda" else "gloo")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if where == "cuda":  # set up as pytorch/examples' minGPT-ddp does, through torch.accelerator
+        acc = torch.accelerator.current_accelerator()
+        device = torch.device(f"{acc}:{local_rank}")
+        dist.init_process_group(backend=dist.get_default_backend_for_device(device))
+        torch.accelerator.set_device_index(local_rank)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
-    if where == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 
     class Net(nn.Module):
         def __init__(self, with_unused):
@@ -677,9 +683,9 @@ DDP_VARIANTS_SCRIPT = textwrap.dedent("""
     out = []
     for variant in ("find_unused_parameters", "static_graph", "fp16_compress_hook", "powerSGD_hook", "no_sync"):
         torch.manual_seed(0)
-        model = Net(variant in ("find_unused_parameters", "static_graph")).to(where)
-        ddp = DDP(model, find_unused_parameters=variant == "find_unused_parameters",
-                  static_graph=variant == "static_graph")
+        model = Net(variant in ("find_unused_parameters", "static_graph")).to(device)
+        ddp = DDP(model, device_ids=[local_rank] if where == "cuda" else None,
+                  find_unused_parameters=variant == "find_unused_parameters", static_graph=variant == "static_graph")
         if variant == "fp16_compress_hook":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         if variant == "powerSGD_hook":
@@ -689,7 +695,8 @@ DDP_VARIANTS_SCRIPT = textwrap.dedent("""
         opt = torch.optim.SGD(model.body.parameters(), lr=0.1)
         data = torch.Generator().manual_seed(rank)
         for step in range(4):
-            x = torch.randn(8, 16, generator=data).to(where)
+            x = torch.randn(8, 16, generator=data)
+            x = x.to(local_rank) if where == "cuda" else x  # (an index, as minGPT-ddp moves its batches)
             if variant == "no_sync" and step % 2 == 0:
                 with ddp.no_sync():  # gradient accumulation: this step's gradients stay local
                     ddp(x).square().mean().backward()
@@ -711,7 +718,9 @@ def test_ddp_unused_parameters_static_graph_and_comm_hooks_match_cpu_gloo(node, 
     which the gpuwire device could not give: "implement getPinnedMemoryAllocator"), the fp16 and
     PowerSGD communication hooks (PowerSGD's ``torch.zeros(device=bucket.buffer().device)`` ran
     on autograd's thread, outside CUDA compatibility: "Could not run ... 'CUDA' backend"), and
-    ``no_sync`` accumulation. Weights equal CPU gloo's bit for bit."""
+    ``no_sync`` accumulation. The ranks set up as pytorch/examples' minGPT-ddp does, through
+    ``torch.accelerator`` (DDP raised "Expected current accelerator type gpuwire to match device
+    type cuda" copying the batches). Weights equal CPU gloo's bit for bit."""
     if not native_builds():
         # the pinned host memory comes from the client's C++ helper: with no compiler (or
         # GPUWIRE_NATIVE=0) the device keeps PyTorch's Python hooks, which have none

@@ -654,16 +654,18 @@ def _patch_distributed() -> None:
 
 
 def _patch_accelerator() -> None:
-    """``torch.accelerator.current_accelerator()`` tells the program "cuda", as its tensors'
-    ``device`` does: scripts pick their device from it (pytorch/examples' ``--accel``) and
-    compare it with tensors' devices or pass its type to ``autocast``. PyTorch's own callers
-    (the DataLoader's pinning, distributed's device handles) keep the real device."""
+    """``torch.accelerator.current_accelerator()`` says "cuda", as tensors' ``device`` does:
+    scripts pick their device from it (pytorch/examples' ``--accel``, minGPT-ddp) and pass its
+    type to ``autocast``; PyTorch's DDP compares it with its parameters' device type before
+    copying inputs ("Expected current accelerator type gpuwire to match device type cuda").
+    torch.distributed keeps the real device: it looks up the process group's backend by it,
+    and the device map routes "cuda" to the host's gloo."""
     original = torch.accelerator.current_accelerator
 
     @functools.wraps(original)
     def current_accelerator(check_available: bool = False):
         device = original(check_available)
-        if device is None or device.type != DEVICE_TYPE or called_by_pytorch():
+        if device is None or device.type != DEVICE_TYPE or called_by_pytorch(within=("torch.distributed",)):
             return device
         return torch.device("cuda", device.index)
 

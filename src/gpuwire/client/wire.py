@@ -56,12 +56,13 @@ def on_device(t: torch.Tensor) -> bool:
 DEVICE_TYPE = "gpuwire"
 
 
-def called_by_pytorch(frames_up: int = 2) -> bool:
-    """Whether the function ``frames_up`` frames above this call's caller is PyTorch's (or
-    gpuwire's) own code: answers under CUDA compatibility that tell the program what it asked
-    for ("cuda", "nccl") must give PyTorch the real configuration, on which its code paths depend."""
+def called_by_pytorch(frames_up: int = 2, within: tuple = ("torch",)) -> bool:
+    """Whether the function ``frames_up`` frames above this call's caller is in one of the
+    packages ``within`` (PyTorch's own code, by default) or gpuwire's: answers under CUDA
+    compatibility that tell the program what it asked for ("cuda", "nccl") must give those
+    callers the real configuration, on which their code paths depend."""
     caller = sys._getframe(frames_up).f_globals.get("__name__", "")
-    return caller == "torch" or caller.startswith(("torch.", "gpuwire."))
+    return any(caller == package or caller.startswith(package + ".") for package in (*within, "gpuwire"))
 
 
 class UnsupportedArgument(TypeError):
