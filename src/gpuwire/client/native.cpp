@@ -9,6 +9,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/distributed/c10d/reducer_timer.hpp>
 #include <torch/library.h>
 
 #include <c10/core/Stream.h>
@@ -131,8 +132,28 @@ struct GpuwireHooks final : at::PrivateUse1HooksInterface {
   bool isPinnedPtr(const void* data) const override { return data && host_as_pinned->owns(data); }
 };
 
+// DDP's reducer times each iteration's forward, backward and communication with a timer of its
+// parameters' device type (``ddp._get_ddp_logging_data()``); PyTorch registers CPU's and CUDA's,
+// and for any other device it printed "Time stats are currently only collected for CPU and CUDA
+// devices" in every DDP program. Host clock times, as CPU's timer takes: gpuwire's ops are
+// queued, so like CPU's these time the program's side of the iteration.
+struct HostClockTimer final : c10d::Timer {
+  explicit HostClockTimer(c10::Device) {}
+  std::optional<int64_t> measureDifference(Event start, Event end) override {
+    const int64_t start_time = getTimeRef(start);
+    const int64_t end_time = getTimeRef(end);
+    if (start_time == c10d::kUnsetTime || end_time < start_time) return std::nullopt;
+    return end_time - start_time;
+  }
+};
+
 PyObject* register_hooks(PyObject*, PyObject*) {
   HANDLE_TH_ERRORS
+  if (!c10d::TimerRegistry()->Has(c10::DeviceType::PrivateUse1)) {
+    c10d::TimerRegistry()->Register(c10::DeviceType::PrivateUse1, [](c10::Device device) -> std::unique_ptr<c10d::Timer> {
+      return std::make_unique<HostClockTimer>(device);
+    });
+  }
   if (at::isPrivateUse1HooksRegistered()) Py_RETURN_FALSE;
   at::RegisterPrivateUse1HooksInterface(new GpuwireHooks());  // (never freed: registered for good)
   Py_RETURN_TRUE;
