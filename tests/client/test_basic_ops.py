@@ -588,3 +588,31 @@ def test_torch_accelerator_memory_api_reports_the_devices_memory(device):
     assert torch.accelerator.max_memory_allocated() == torch.accelerator.memory_allocated() <= before
     free, total = torch.accelerator.get_memory_info()
     assert total > 0 and 0 <= free <= total
+
+
+def test_device_generic_streams_and_events_wait_for_the_node(device):
+    """``torch.Stream.synchronize()``, ``torch.Event`` (device-generic code, as PyTorch now
+    writes it: ``torch.accelerator.current_stream()``) wait for the node, as
+    ``torch.cuda.synchronize()`` does: a stream synchronization returned at once, and a timing
+    event raised "Backend doesn't support synchronizing events" (session 31)."""
+    from gpuwire.client import native
+    if native.status() != "native":
+        pytest.skip("no C++ compiler or GPUWIRE_NATIVE=0: PyTorch's Python device guard has no events")
+    d = torch.arange(10.0, device=device)
+    d.index_select(0, torch.tensor([100], device=device))  # queued; only the node finds it out of range
+    with pytest.raises(gpuwire.RemoteError, match="index"):
+        torch.accelerator.current_stream().synchronize()
+    start, end = torch.Event(enable_timing=True), torch.Event(enable_timing=True)
+    start.record()
+    x = torch.randn(256, 256, device=device)
+    for _ in range(10):
+        x = torch.tanh(x @ x)
+    end.record()
+    end.synchronize()
+    assert start.query() and end.query() and start.elapsed_time(end) > 0
+    d.index_select(0, torch.tensor([100], device=device))
+    untimed = torch.Event()
+    untimed.record()
+    with pytest.raises(gpuwire.RemoteError, match="index"):
+        untimed.synchronize()
+    assert torch.equal((d * 2).cpu(), torch.arange(10.0) * 2)

@@ -2221,9 +2221,12 @@ def register() -> None:
         torch.utils.rename_privateuse1_backend(DEVICE_TYPE)
         torch.utils.generate_methods_for_privateuse1_backend()
         torch._register_device_module(DEVICE_TYPE, torch_module.module)
-        if not native.register_hooks():
+        native_hooks = native.register_hooks()
+        if not native_hooks:
             torch._C._acc.register_python_privateuseone_hook(torch_module.Hooks())
         torch._C._acc.register_python_privateuseone_device_guard(torch_module.Guard())
+        if native_hooks:  # (the C++ guard at once: a torch.Event made before the first op keeps its guard)
+            native.install_guard()
     torch_module.bridge_accelerator_memory()
     DEVICE = torch.device(DEVICE_TYPE, 0)
     global _library, _aten_library

@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include <c10/core/Stream.h>
+#include <c10/util/ApproximateClock.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -46,8 +47,35 @@ constexpr c10::DeviceType kType = c10::DeviceType::PrivateUse1;
 c10::Device device() { return c10::Device(kType, 0); }
 c10::Stream default_stream() { return c10::Stream(c10::Stream::DEFAULT, device()); }
 
-// The answers of torch._C._acc's Python guard (one device, index 0, the default stream, events
-// and streams as no-ops), without a call into Python for each.
+PyObject* wait_hook = nullptr;  // torch_module.synchronize(): waits until the node has run every queued op
+
+void wait_for_the_node() {
+  if (wait_hook == nullptr) return;
+  PyGILState_STATE gil = PyGILState_Ensure();
+  PyObject* answer = PyObject_CallNoArgs(wait_hook);
+  if (answer == nullptr) {
+    python_error error;  // (the node's error, raised again as itself when C++ returns to Python)
+    error.persist();
+    PyGILState_Release(gil);
+    throw error;
+  }
+  Py_DECREF(answer);
+  PyGILState_Release(gil);
+}
+
+// A recorded event: the host clock when the node had run everything queued before it.
+struct HostEvent {
+  int64_t nanos = -1;
+};
+
+// One device, index 0, one stream (a session's ops run in order on the node), without a call
+// into Python for each answer. Waiting (``torch.Stream.synchronize``, ``torch.Event.synchronize``,
+// device synchronization) waits for the node, as ``torch.cuda.synchronize()`` does. A timing
+// event (``torch.Event(enable_timing=True)``: EventFlag::BACKEND_DEFAULT) waits for the node when
+// recorded, so ``elapsed_time`` measures what ran between two records plus a round trip, as
+// ``torch.cuda.Event`` does here; PyTorch's own events (no timing) are records in name only,
+// free as before: they order streams, and there is one. They said "Backend doesn't support
+// synchronizing events" before session 31, and stream synchronization returned at once.
 struct GpuwireGuard final : public c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type() const override { return kType; }
   c10::Device exchangeDevice(c10::Device) const override { return device(); }
@@ -58,17 +86,41 @@ struct GpuwireGuard final : public c10::impl::DeviceGuardImplInterface {
   c10::Stream getNewStream(c10::Device, int) const override { return default_stream(); }
   c10::Stream exchangeStream(c10::Stream) const noexcept override { return default_stream(); }
   c10::DeviceIndex deviceCount() const noexcept override { return 1; }
-  void record(void**, const c10::Stream&, const c10::DeviceIndex, const c10::EventFlag) const override {}
+  void record(void** event, const c10::Stream&, const c10::DeviceIndex, const c10::EventFlag flag) const override {
+    if (*event == nullptr) *event = new HostEvent();
+    auto* recorded = static_cast<HostEvent*>(*event);
+    if (flag == c10::EventFlag::BACKEND_DEFAULT) {
+      wait_for_the_node();
+      recorded->nanos = c10::getTime(true);
+    } else {
+      recorded->nanos = 0;  // (recorded, untimed)
+    }
+  }
   void block(void*, const c10::Stream&) const override {}
   bool queryEvent(void*) const override { return true; }
-  void destroyEvent(void*, const c10::DeviceIndex) const noexcept override {}
+  void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
+    delete static_cast<HostEvent*>(event);
+  }
+  void synchronizeEvent(void* event) const override {
+    if (event != nullptr) wait_for_the_node();
+  }
+  double elapsedTime(void* start, void* end, const c10::DeviceIndex) const override {
+    const auto* from = static_cast<const HostEvent*>(start);
+    const auto* to = static_cast<const HostEvent*>(end);
+    TORCH_CHECK(from != nullptr && to != nullptr && from->nanos > 0 && to->nanos > 0,
+                "Both events must be recorded with enable_timing=True before calculating elapsed time.");
+    return static_cast<double>(to->nanos - from->nanos) / 1e6;
+  }
   bool queryStream(const c10::Stream&) const override { return true; }
-  void synchronizeStream(const c10::Stream&) const override {}
+  void synchronizeStream(const c10::Stream&) const override { wait_for_the_node(); }
+  void synchronizeDevice(const c10::DeviceIndex) const override { wait_for_the_node(); }
 };
 
 GpuwireGuard guard;
 
-PyObject* install_guard(PyObject*, PyObject*) {
+PyObject* install_guard(PyObject*, PyObject* wait) {
+  Py_INCREF(wait);
+  Py_XSETREF(wait_hook, wait);
   c10::impl::device_guard_impl_registry[static_cast<size_t>(kType)].store(&guard);
   return PyLong_FromLong(static_cast<long>(guard.type()));
 }
@@ -1258,7 +1310,7 @@ PyObject* dead_storage_ids(PyObject*, PyObject* live) {
 }
 
 PyMethodDef methods[] = {
-    {"install_guard", install_guard, METH_NOARGS, "Install the C++ device guard for PrivateUse1."},
+    {"install_guard", install_guard, METH_O, "Install the C++ device guard for PrivateUse1; its argument waits for the node."},
     {"register_hooks", register_hooks, METH_NOARGS, "Register the C++ PrivateUse1 hooks; False if some are."},
     {"dead_storage_ids", dead_storage_ids, METH_O, "The ids in {id: weak storage ref} whose storage died."},
     {"configure", configure, METH_VARARGS, "Give the descriptor encoder its Python objects."},

@@ -54,6 +54,9 @@ def status() -> str:
     return _native.status(module if _installed else None, _failure, "not attached yet")
 
 
+_early = None  # the helper register_hooks loaded at the device's registration
+
+
 def register_hooks() -> bool:
     """At the device's registration (inside ``import torch``, before any attach): the C++ device
     hooks (``native.cpp`` ``GpuwireHooks``: pinned host memory for PyTorch's own C++, which DDP's
@@ -68,9 +71,21 @@ def register_hooks() -> bool:
         if not _native.library_path(SOURCE, MODULE).exists() and not (
                 os.environ.get("GPUWIRE_RUN") == "1" or os.environ.get("GPUWIRE_NODE")):
             return False
-        return bool(_native.load(SOURCE, MODULE).register_hooks())
+        global _early
+        _early = _native.load(SOURCE, MODULE)
+        return bool(_early.register_hooks())
     except _native.FAILURES:
         return False
+
+
+def install_guard(loaded=None) -> None:
+    """The C++ device guard in place of PyTorch's Python one (``native.cpp`` ``GpuwireGuard``),
+    from ``loaded`` or the helper ``register_hooks`` loaded."""
+    from . import torch_module
+    loaded = loaded or _early or _native.load(SOURCE, MODULE)
+    answered = loaded.install_guard(torch_module.synchronize)
+    if answered != int(torch._C._autograd.DeviceType.PrivateUse1):
+        raise RuntimeError(f"the built guard answers device type {answered}")
 
 
 def install() -> bool:
@@ -81,9 +96,7 @@ def install() -> bool:
         return True
 
     def setup(loaded) -> None:
-        answered = loaded.install_guard()
-        if answered != int(torch._C._autograd.DeviceType.PrivateUse1):
-            raise RuntimeError(f"the built guard answers device type {answered}")
+        install_guard(loaded)
         from . import device, runtime, wire
         wire.use_native(loaded)
         runtime.use_native(loaded)
