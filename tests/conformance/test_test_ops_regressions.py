@@ -404,3 +404,40 @@ def test_lazy_clone_gives_an_unaliased_copy(device):
     e = torch._lazy_clone(d.detach())
     e.add_(1)
     assert torch.equal(d.detach().cpu(), x) and torch.equal(e.cpu(), x + 1)
+
+
+def test_shape_errors_of_copies_and_index_assignments_raise_at_the_call(device):
+    """PyTorch's test_indexing.py: ``copy_`` and ``index_put_`` (``x[i] = v``) check shapes on the
+    host on CPU and CUDA, but their meta kernels do not, so the node raised at the next sync point
+    and the following lines (or tests) failed instead. Each error is now raised at its line, in
+    ATen's words; nothing is queued, and the session goes on."""
+    a = torch.zeros(2, 3, device=device)
+    with pytest.raises(RuntimeError, match=r"The size of tensor a \(2\) must match the size of tensor b \(4\)"):
+        a.copy_(torch.randn(4, 3))  # from the host
+    with pytest.raises(RuntimeError, match=r"output with shape \[1, 2, 3\] doesn't match the broadcast shape"):
+        a.unsqueeze(0).copy_(torch.randn(5, 1, 2, 3, device=device))
+    with pytest.raises(IndexError, match="indexing tensors could not be broadcast together with shapes"):
+        a[[0, 1], [0, 1, 2]] = 0
+    with pytest.raises(RuntimeError, match=r"value tensor of shape \[3\] cannot be broadcast to indexing result of "
+                                           r"shape \[2\]"):
+        a[torch.tensor([0, 1], device=device), 0] = torch.ones(3, device=device)
+    with pytest.raises(RuntimeError, match=r"cannot be broadcast to indexing result of shape \[1, 2, 3\]"):
+        a[torch.tensor(True, device=device)] = a.expand(5, 1, 2, 3)  # (a mask: counted on this error path)
+    with pytest.raises(RuntimeError, match=r"value tensor of shape \[1\] cannot be broadcast to indexing result of "
+                                           r"shape \[\]"):
+        torch.rand((), device=device).index_put([], torch.tensor([1.0], device=device), True)
+    with pytest.raises(IndexError, match="too many indices for tensor of dimension 2"):
+        a[0, 0, torch.tensor([0], device=device)] = 1.0
+    with pytest.raises(IndexError, match="Expected dtype int64 for index"):
+        a.index_fill_(1, torch.tensor([0], dtype=torch.int32, device=device), 1.0)
+    with pytest.raises(RuntimeError, match="Converting complex Scalar to non-complex type"):
+        a.index_fill_(1, torch.tensor([0], device=device), 1 + 1j)
+    # the valid forms are untouched, and match CPU
+    x = torch.arange(12.0).reshape(3, 4)
+    d = x.to(device)
+    for target in (x, d):
+        target[[0, 2], 1:3] = torch.tensor([[-1.0, -2.0]], device=target.device)
+        target[target > 10] = torch.tensor(0.0, device=target.device)
+        target[:, torch.tensor([1, 3], device=target.device)] += 1
+        target.copy_(target.flip(0)[:1].expand(3, 4) + target)
+    assert torch.equal(d.cpu(), x)

@@ -57,6 +57,26 @@ def nonnegative_sizes(sizes) -> None:
             raise RuntimeError(f"Trying to create tensor with negative dimension {size}: {list(sizes)}")
 
 
+def broadcast_into(out_shape, src_shape) -> None:
+    """``copy_``'s shape check (TensorIterator's broadcast of ``src`` onto the written tensor):
+    copies reach the gpuwire device through ``_copy_from``, before any shape is compared, and a
+    mismatch raised at the next sync point ("output with shape ... doesn't match")."""
+    out_shape, src_shape = tuple(out_shape), tuple(src_shape)
+    if out_shape == src_shape:
+        return
+    ndim = max(len(out_shape), len(src_shape))
+    broadcast = [0] * ndim
+    for dim in range(ndim - 1, -1, -1):  # (from the last, as ATen's ``infer_size`` finds the first mismatch)
+        a = out_shape[dim - ndim + len(out_shape)] if dim >= ndim - len(out_shape) else 1
+        b = src_shape[dim - ndim + len(src_shape)] if dim >= ndim - len(src_shape) else 1
+        if a != b and a != 1 and b != 1:
+            raise RuntimeError(f"The size of tensor a ({a}) must match the size of tensor b ({b}) at "
+                               f"non-singleton dimension {dim}")
+        broadcast[dim] = b if a == 1 else a
+    if tuple(broadcast) != out_shape:
+        raise RuntimeError(f"output with shape {list(out_shape)} doesn't match the broadcast shape {broadcast}")
+
+
 def _uniform(args, kwargs) -> None:
     low, high = _arg(args, kwargs, 1, "from", 0.0), _arg(args, kwargs, 2, "to", 1.0)
     if low > high:
@@ -198,7 +218,104 @@ def _bucketize(args, kwargs) -> None:
         raise RuntimeError(f"boundaries tensor must be 1 dimension, but got dim({boundaries.dim()})")
 
 
+_INDEX_DTYPES = (torch.int64, torch.int32, torch.uint8, torch.bool)
+
+
+def _index_put(args, kwargs) -> None:
+    """``index_put_``'s shape checks (``x[i] = v``; ATen ``_index_put_impl_``, ``make_info``,
+    ``expandTensors``, ``make_index_put_iterator``), which its meta kernel skips: they need the
+    shapes only, and CPU and CUDA make them on the host at the call. A mask's number of selected
+    elements is data: that dimension matches any size here (CUDA reads it with a sync; the node
+    finds a mismatch there at the next sync point), except where the value cannot fit whatever
+    the count is; then the masks are counted (an error path only), to raise ATen's own error."""
+    self, indices, values = args[0], _arg(args, kwargs, 1, "indices"), _arg(args, kwargs, 2, "values")
+    if not isinstance(self, torch.Tensor) or not isinstance(values, torch.Tensor) or indices is None:
+        return
+    shape = tuple(self.shape)
+    if len(indices) > len(shape):
+        raise IndexError(f"too many indices for tensor of dimension {len(shape)} (got {len(indices)})")
+    result = _index_put_result(shape, indices, None)
+    if result is None or _expandable(tuple(values.shape), result):
+        return
+    if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices):
+        result = _index_put_result(shape, indices, [int(i.count_nonzero()) if i is not None and i.dtype in (
+            torch.bool, torch.uint8) else None for i in indices])
+    raise RuntimeError(f"shape mismatch: value tensor of shape {list(values.shape)} cannot be broadcast to "
+                       f"indexing result of shape {list(result)}")
+
+
+def _index_put_result(shape: tuple, indices, counts) -> tuple | None:
+    """The shape ``self[indices]`` has (ATen's ``restride_src``), with None for a mask's count
+    where ``counts`` does not give it; None where ATen raises an error of its own for them."""
+    expanded = []  # one entry a dimension of ``self``: None (a slice) or the index's shape
+    for k, index in enumerate(indices):
+        if index is None:
+            expanded.append(None)
+        elif index.dtype not in _INDEX_DTYPES:
+            raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
+        elif index.dtype in (torch.bool, torch.uint8):  # a mask: one index a dimension it covers
+            for j, size in enumerate(index.shape):
+                dim = len(expanded) + j
+                if dim >= len(shape):
+                    return None
+                if size != shape[dim]:
+                    raise IndexError(f"The shape of the mask {list(index.shape)} at index {j} does not match "
+                                     f"the shape of the indexed tensor {list(shape)} at index {dim}")
+            expanded.extend([(counts[k] if counts else None,)] * index.dim())
+        else:
+            expanded.append(tuple(index.shape))
+    if len(expanded) > len(shape):
+        return None
+    expanded += [None] * (len(shape) - len(expanded))
+    where = [i for i, e in enumerate(expanded) if e is not None]
+    if not where:
+        return shape
+    broadcast = _broadcast_indices([expanded[i] for i in where])
+    if where == list(range(where[0], where[-1] + 1)):  # adjacent: the result dims take their place
+        return shape[:where[0]] + broadcast + shape[where[-1] + 1:]
+    return broadcast + tuple(shape[i] for i, e in enumerate(expanded) if e is None)  # (NumPy's rule)
+
+
+def _broadcast_indices(shapes) -> tuple:
+    """The index tensors' broadcast shape (a mask's count, None, matches any size)."""
+    ndim = max(len(s) for s in shapes)
+    out = []
+    for dim in range(ndim):
+        sizes = [s[dim - ndim + len(s)] for s in shapes if dim >= ndim - len(s)]
+        known = {size for size in sizes if size is not None and size != 1}
+        if len(known) > 1:
+            raise IndexError("shape mismatch: indexing tensors could not be broadcast together with shapes "
+                             + ", ".join(str(list(s)) for s in shapes))
+        out.append(known.pop() if known else (None if None in sizes else 1))
+    return tuple(out)
+
+
+def _expandable(shape: tuple, to: tuple) -> bool:
+    """ATen's ``is_expandable_to``, where None (a mask's count) takes any size."""
+    if len(shape) > len(to):
+        return False
+    return all(size == 1 or target is None or size == target
+               for size, target in zip(reversed(shape), reversed(to)))
+
+
+def _index_fill(args, kwargs) -> None:
+    """``index_fill_``'s checks of the index's dtype and a complex fill of a real tensor."""
+    self, index, value = args[0], _arg(args, kwargs, 2, "index"), _arg(args, kwargs, 3, "value")
+    if isinstance(index, torch.Tensor) and index.dtype != torch.int64:
+        raise IndexError("index_fill_(): Expected dtype int64 for index.")
+    complex_value = isinstance(value, complex) or (isinstance(value, torch.Tensor) and value.is_complex())
+    if isinstance(self, torch.Tensor) and not self.is_complex() and complex_value:
+        raise RuntimeError("index_fill_(): Converting complex Scalar to non-complex type is not supported")
+
+
 MISSED_BY_META = {
+    "aten::_index_put_impl_": _index_put,
+    "aten::index_put_": _index_put,
+    "aten::index_put": _index_put,
+    "aten::index_fill_.int_Scalar": _index_fill,
+    "aten::index_fill_.int_Tensor": _index_fill,
+    "aten::index_fill.int_Scalar": _index_fill,
+    "aten::index_fill.int_Tensor": _index_fill,
     "aten::gelu": _gelu,
     "aten::gelu.out": _gelu,
     "aten::gelu_": _gelu,

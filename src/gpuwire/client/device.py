@@ -1894,6 +1894,8 @@ def _copy_from(op, args, kwargs):
     src, dst = args[0], args[1]
     src_remote = on_device(src)
     dst_remote = on_device(dst)
+    if dst_remote and src.shape != dst.shape:
+        checks.broadcast_into(dst.shape, src.shape)
     if src_remote and dst_remote:
         rt = runtime()
         with rt.lock:
