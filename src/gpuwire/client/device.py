@@ -2228,7 +2228,10 @@ def register() -> None:
             torch._C._acc.register_python_privateuseone_hook(torch_module.Hooks())
         torch._C._acc.register_python_privateuseone_device_guard(torch_module.Guard())
         if native_hooks:  # (the C++ guard at once: a torch.Event made before the first op keeps its guard)
-            native.install_guard()
+            try:
+                native.install_guard()
+            except Exception:  # noqa: BLE001 - never fail ``import torch``: the first attach installs it, or says why
+                pass
     torch_module.bridge_accelerator_memory()
     DEVICE = torch.device(DEVICE_TYPE, 0)
     global _library, _aten_library
