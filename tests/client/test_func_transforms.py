@@ -50,6 +50,24 @@ def test_grad_through_dropout_draws_what_a_local_run_draws(device):
     assert torch.equal(got.cpu(), want)
 
 
+def test_forward_mode_ad_through_dropout_draws_what_a_local_run_draws(device):
+    """Forward-mode AD (``torch.autograd.forward_ad`` dual tensors: JVPs, as PyTorch's
+    TestCompositeCompliance test_forward_ad makes them) through dropout raised "You must implement
+    the jvp function for custom autograd.Function" (the one-message dropout); it runs as the plain
+    ops there, which draw the same mask."""
+    import torch.autograd.forward_ad as fwAD
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+    tangent = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    results = []
+    for where in ("cpu", device):
+        with fwAD.dual_level():
+            torch.manual_seed(7)
+            primal, jvp = fwAD.unpack_dual(F.dropout(fwAD.make_dual(x.to(where), tangent.to(where)), 0.4, True))
+            results.append((primal.cpu(), jvp.cpu()))
+    (want_primal, want_jvp), (got_primal, got_jvp) = results
+    assert torch.equal(got_primal, want_primal) and torch.equal(got_jvp, want_jvp)
+
+
 def _gradient_penalty(device, dropout_p: float):
     """A gradient penalty through attention (``create_graph=True``, then a second backward), as a
     local run computes it under ``sdpa_kernel(SDPBackend.MATH)``: the kernel with a double backward."""

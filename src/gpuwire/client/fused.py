@@ -301,8 +301,11 @@ def _dropout(input, p: float, train: bool):
     if p == 1.0:
         return input * torch.zeros_like(input)
     if _device.runtime().device_info.get("backend") == "cpu":
-        if input.is_floating_point() and not input.is_complex() and not torch._C._are_functorch_transforms_active():
-            return _RemoteDropout.apply(input, p)  # (under torch.func transforms: the plain ops below)
+        if (input.is_floating_point() and not input.is_complex() and not torch._C._are_functorch_transforms_active()
+                and torch.autograd.forward_ad._current_level < 0):
+            # (under torch.func transforms and forward-mode AD, which an autograd.Function
+            # without a jvp refuses: the plain ops below, which draw the same mask)
+            return _RemoteDropout.apply(input, p)
         noise = torch.empty_like(input).bernoulli_(1 - p)
         noise.div_(1 - p)
         return input * noise
