@@ -441,3 +441,34 @@ def test_shape_errors_of_copies_and_index_assignments_raise_at_the_call(device):
         target[:, torch.tensor([1, 3], device=target.device)] += 1
         target.copy_(target.flip(0)[:1].expand(3, 4) + target)
     assert torch.equal(d.cpu(), x)
+
+
+_FAKE_FALLBACK_CHILD = """
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+a = torch.randn(5, 3, device="gpuwire")
+mode = FakeTensorMode()
+fake = mode.from_tensor(a)
+try:
+    with mode:
+        torch.geqrf(fake)  # (no fake kernel: FakeTensorMode runs the real one under no_dispatch())
+except Exception as exc:
+    print("raised", type(exc).__name__)
+print("alive", torch.equal((a * 2).cpu(), a.cpu() * 2))
+"""
+
+
+def test_fake_tensor_fallback_of_a_device_op_does_not_crash(node):
+    """PyTorch's TestFakeTensor: for an op with no fake kernel (``geqrf``) FakeTensorMode runs the
+    real kernel under ``no_dispatch()``, and the client's shape inference on fake CPU tensors
+    then reached the CPU kernel with no data: a segmentation fault killed the process. The node
+    answers instead (this fallback cannot make real tensors from gpuwire fakes, so the op raises,
+    as the test allows). Run in a child process: the failure mode is a crash."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "GPUWIRE_NODE": node.address, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", _FAKE_FALLBACK_CHILD], env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == 0 and "alive True" in done.stdout, done.stdout + done.stderr[-2000:]

@@ -734,6 +734,11 @@ class FunctionalPlan:
         batch norm returns empty save_mean/invstd on CPU, embedding_bag's auxiliary outputs
         differ ...): run them on fake CPU tensors, not on meta ones (which model CUDA)."""
         from torch._subclasses import fake_tensor as ft
+        if torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.Python):
+            # under ``no_dispatch()`` (FakeTensorMode's fallback runs real kernels so) a fake
+            # tensor's op reaches the CPU kernel with no data: it crashed the process. The node
+            # answers instead.
+            return SYNC
         mode = _fake_cpu_mode()
         fake_args, fake_kwargs = _to_fake_cpu(args, mode), {k: _to_fake_cpu(v, mode) for k, v in kwargs.items()}
         quiet = _FAKE_LOG.level
