@@ -57,24 +57,13 @@ def nonnegative_sizes(sizes) -> None:
             raise RuntimeError(f"Trying to create tensor with negative dimension {size}: {list(sizes)}")
 
 
-def broadcast_into(out_shape, src_shape) -> None:
+def broadcast_into(out_shape: torch.Size, src_shape: torch.Size) -> None:
     """``copy_``'s shape check (TensorIterator's broadcast of ``src`` onto the written tensor):
     copies reach the gpuwire device through ``_copy_from``, before any shape is compared, and a
     mismatch raised at the next sync point ("output with shape ... doesn't match")."""
-    out_shape, src_shape = tuple(out_shape), tuple(src_shape)
-    if out_shape == src_shape:
-        return
-    ndim = max(len(out_shape), len(src_shape))
-    broadcast = [0] * ndim
-    for dim in range(ndim - 1, -1, -1):  # (from the last, as ATen's ``infer_size`` finds the first mismatch)
-        a = out_shape[dim - ndim + len(out_shape)] if dim >= ndim - len(out_shape) else 1
-        b = src_shape[dim - ndim + len(src_shape)] if dim >= ndim - len(src_shape) else 1
-        if a != b and a != 1 and b != 1:
-            raise RuntimeError(f"The size of tensor a ({a}) must match the size of tensor b ({b}) at "
-                               f"non-singleton dimension {dim}")
-        broadcast[dim] = b if a == 1 else a
-    if tuple(broadcast) != out_shape:
-        raise RuntimeError(f"output with shape {list(out_shape)} doesn't match the broadcast shape {broadcast}")
+    broadcast = torch._C._infer_size(out_shape, src_shape)  # (ATen's own error where they cannot broadcast)
+    if broadcast != out_shape:
+        raise RuntimeError(f"output with shape {list(out_shape)} doesn't match the broadcast shape {list(broadcast)}")
 
 
 def _uniform(args, kwargs) -> None:
@@ -219,6 +208,7 @@ def _bucketize(args, kwargs) -> None:
 
 
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.uint8, torch.bool)
+_MASK_INDEX_DTYPES = (torch.bool, torch.uint8)  # (an index of these selects by value: ``expandTensors``)
 
 
 def _index_put(args, kwargs) -> None:
@@ -237,9 +227,9 @@ def _index_put(args, kwargs) -> None:
     result = _index_put_result(shape, indices, None)
     if result is None or _expandable(tuple(values.shape), result):
         return
-    if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices):
-        result = _index_put_result(shape, indices, [int(i.count_nonzero()) if i is not None and i.dtype in (
-            torch.bool, torch.uint8) else None for i in indices])
+    counts = [int(i.count_nonzero()) if i is not None and i.dtype in _MASK_INDEX_DTYPES else None for i in indices]
+    if any(count is not None for count in counts):
+        result = _index_put_result(shape, indices, counts)
     raise RuntimeError(f"shape mismatch: value tensor of shape {list(values.shape)} cannot be broadcast to "
                        f"indexing result of shape {list(result)}")
 
@@ -253,7 +243,7 @@ def _index_put_result(shape: tuple, indices, counts) -> tuple | None:
             expanded.append(None)
         elif index.dtype not in _INDEX_DTYPES:
             raise IndexError("tensors used as indices must be long, int, byte or bool tensors")
-        elif index.dtype in (torch.bool, torch.uint8):  # a mask: one index a dimension it covers
+        elif index.dtype in _MASK_INDEX_DTYPES:  # a mask: one index a dimension it covers
             for j, size in enumerate(index.shape):
                 dim = len(expanded) + j
                 if dim >= len(shape):
