@@ -445,25 +445,27 @@ def test_shape_errors_of_copies_and_index_assignments_raise_at_the_call(device):
 
 _FAKE_FALLBACK_CHILD = """
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-a = torch.randn(5, 3, device="gpuwire")
-mode = FakeTensorMode()
-fake = mode.from_tensor(a)
-try:
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+for device in ("gpuwire", "cpu"):
+    a = torch.randn(5, 3, device=device)
+    mode = FakeTensorMode()
+    fake = mode.from_tensor(a)
     with mode:
-        torch.geqrf(fake)  # (no fake kernel: FakeTensorMode runs the real one under no_dispatch())
-except Exception as exc:
-    print("raised", type(exc).__name__)
-print("alive", torch.equal((a * 2).cpu(), a.cpu() * 2))
+        a_fake, tau_fake = torch.geqrf(fake)  # (no fake kernel: FakeTensorMode runs the real one under no_dispatch())
+        h_fake = torch.histc(fake, bins=7)
+    print(device, [(type(t) is FakeTensor, t.device.type, tuple(t.shape), t.stride(), t.dtype)
+                   for t in (a_fake, tau_fake, h_fake)])
+    print("alive", torch.equal((a * 2).cpu(), a.cpu() * 2))
 """
 
 
-def test_fake_tensor_fallback_of_a_device_op_does_not_crash(node):
+def test_fake_tensor_fallback_of_a_device_op_runs_on_real_stand_ins(node):
     """PyTorch's TestFakeTensor: for an op with no fake kernel (``geqrf``) FakeTensorMode runs the
-    real kernel under ``no_dispatch()``, and the client's shape inference on fake CPU tensors
-    then reached the CPU kernel with no data: a segmentation fault killed the process. The node
-    answers instead (this fallback cannot make real tensors from gpuwire fakes, so the op raises,
-    as the test allows). Run in a child process: the failure mode is a crash."""
+    real kernel under ``no_dispatch()`` on ``zeros_like(fake, device=...)`` stand-ins. The
+    client's shape inference on fake CPU tensors reached the CPU kernel with no data (a
+    segmentation fault killed the process), and then ``zeros_like`` sent the fake itself to the
+    node ("storage 0x0 is not allocated"). The fakes it gives now have the layouts a CPU run's
+    fakes have. Run in a child process: one failure mode is a crash."""
     import os
     import subprocess
     import sys
@@ -471,4 +473,9 @@ def test_fake_tensor_fallback_of_a_device_op_does_not_crash(node):
     env = {**os.environ, "GPUWIRE_NODE": node.address, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", _FAKE_FALLBACK_CHILD], env=env, capture_output=True, text=True,
                           timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    remote, local = (line.split(" ", 1) for line in lines if line.startswith(("gpuwire ", "cpu ")))
+    assert remote[1].replace("'gpuwire'", "'cpu'") == local[1] and "True, 'gpuwire'" in remote[1], done.stdout
+    assert lines.count("alive True") == 2, done.stdout
     assert done.returncode == 0 and "alive True" in done.stdout, done.stdout + done.stderr[-2000:]

@@ -775,6 +775,8 @@ class FunctionalPlan:
         return _MetaEntry(specs, template, out_shapes)
 
     def __call__(self, op, args, kwargs):
+        if args and type(args[0]) is not torch.Tensor and self.name in _LIKE_FACTORIES:
+            args = (_real_stand_in(args[0]),) + tuple(args[1:])
         if self.value_check is not None:
             self.value_check(args, kwargs)
         if self.numbers:
@@ -1571,11 +1573,11 @@ def _contiguous_results(args, kwargs, result):
 # differ on size-1 dimensions: ``randn_like`` of a batch-1 channels-last tensor came out in a
 # layout that PyTorch's memory-format test reads otherwise, and the next norm or convolution
 # took another kernel than a local run's.
-_PRESERVE_LAYOUT = frozenset({
+_LIKE_FACTORIES = frozenset({
     "aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten::full_like", "aten::rand_like",
     "aten::randn_like", "aten::randint_like", "aten::randint_like.low_dtype", "aten::randint_like.Tensor",
-    "aten::flip", "aten::hardtanh", "aten::_prelu_kernel", "aten::huber_loss",
 })
+_PRESERVE_LAYOUT = _LIKE_FACTORIES | {"aten::flip", "aten::hardtanh", "aten::_prelu_kernel", "aten::huber_loss"}
 
 
 def _preserved_layout(args, kwargs, result):
@@ -1738,6 +1740,17 @@ def _call_sync(op, name, args, kwargs):
     if len(op._schema.returns) > 1 and isinstance(result, list):
         return tuple(result)
     return result
+
+
+def _real_stand_in(x):
+    """A ``*_like`` factory reads only its input's metadata, but the node's kernel takes the
+    input itself: a fake tensor (FakeTensorMode's fallback for an op with no fake kernel makes
+    its real inputs with ``zeros_like(fake, device=...)`` under ``no_dispatch()``) has no
+    storage there. An empty tensor of the same layout stands in for it."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    if not isinstance(x, FakeTensor):
+        return x
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
 
 
 def _from_result(rt: Runtime, value):
