@@ -479,3 +479,21 @@ def test_fake_tensor_fallback_of_a_device_op_runs_on_real_stand_ins(node):
     assert remote[1].replace("'gpuwire'", "'cpu'") == local[1] and "True, 'gpuwire'" in remote[1], done.stdout
     assert lines.count("alive True") == 2, done.stdout
     assert done.returncode == 0 and "alive True" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+def test_an_empty_passed_straight_to_out_of_a_data_dependent_op(device):
+    """PyTorch's test_shape_ops.py test_nonzero: ``torch.nonzero(x, out=torch.empty(()))``, the
+    out tensor made just before the call, was taken for the one C++ allocates for a structured
+    kernel (its size already right) and queued: the out kept shape () and its garbage while the
+    node wrote a resized buffer, and a wrong out dtype raised at the next line instead of here."""
+    host = torch.tensor([[1.0, 0.0, 2.0], [0.0, 0.0, 3.0]])
+    x = host.to(device)
+    out = torch.empty((), dtype=torch.long, device=device)
+    torch.nonzero(x, out=out)
+    assert out.shape == (3, 2) and torch.equal(out.cpu(), torch.nonzero(host))
+    with pytest.raises(RuntimeError, match="scalar type Long"):
+        torch.nonzero(x, out=torch.empty((), dtype=torch.float, device=device))
+    assert torch.equal(torch.nonzero(x).cpu(), torch.nonzero(host))  # nothing left queued to fail here
+    values = torch.empty(1, device=device)
+    torch.masked_select(x, x > 0, out=values)
+    assert torch.equal(values.cpu(), torch.masked_select(host, host > 0))

@@ -567,7 +567,14 @@ class MutatingPlan:
         fresh = fresh_ref[0]() if fresh_ref is not None and fresh_ref[1] == runtime().seq else None
         for position, (index, name, kwarg_only) in enumerate(self.out_args):
             out = _get_arg(args, kwargs, index, name, kwarg_only)
-            if not isinstance(out, torch.Tensor) or (out is fresh and out.numel()):
+            if not isinstance(out, torch.Tensor):
+                continue
+            if out is fresh and out.numel():
+                # (a program's ``empty`` passed straight to out= is fresh too: ``nonzero(x,
+                # out=torch.empty(()))`` must still run with a reply, its size is data)
+                entry = self.checker.outputs(op, args, kwargs)
+                if entry is SYNC or entry is None:
+                    return False
                 continue
             if any(out is a for a in args):
                 if self._cannot_take_result(op, args, kwargs, out):
