@@ -497,3 +497,22 @@ def test_an_empty_passed_straight_to_out_of_a_data_dependent_op(device):
     values = torch.empty(1, device=device)
     torch.masked_select(x, x > 0, out=values)
     assert torch.equal(values.cpu(), torch.masked_select(host, host > 0))
+
+
+def test_masked_scatter_with_a_mask_that_would_grow_self_raises_at_the_call(device):
+    """PyTorch's TestCommon test_variant_consistency_eager (masked_scatter, then masked_select):
+    ``x.masked_scatter_(mask, source)`` with a mask that does not expand to ``x``'s shape passes
+    the meta kernel; the node's error came at the next sync point and failed the next test."""
+    for x_shape, mask_shape in (((5,), (5, 5)), ((5,), (3,)), ((2, 3), (3, 3))):
+        x = torch.zeros(x_shape)
+        mask = torch.ones(mask_shape, dtype=torch.bool)
+        source = torch.arange(25.0)
+        with pytest.raises(RuntimeError, match="expand") as local:
+            x.clone().masked_scatter_(mask, source)
+        with pytest.raises(RuntimeError, match="expand") as remote:
+            x.to(device).masked_scatter_(mask.to(device), source.to(device))
+        assert str(remote.value).replace("gpuwire", "CPU") == str(local.value)
+    x, mask = torch.zeros(2, 3), torch.tensor([True, False, True])  # (a mask that expands is fine)
+    done = x.to(device).masked_scatter_(mask.to(device), torch.arange(6.0).to(device))
+    assert torch.equal(done.cpu(), x.clone().masked_scatter_(mask, torch.arange(6.0)))
+    assert torch.equal((torch.ones(2).to(device) * 2).cpu(), torch.full((2,), 2.0))

@@ -101,6 +101,9 @@ def _masked_scatter(args, kwargs) -> None:
     if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
         raise RuntimeError(f"masked_scatter_ only supports boolean masks, but got mask with dtype "
                            f"{SCALAR_TYPE_NAMES.get(mask.dtype, mask.dtype)}")
+    self = args[0]
+    if isinstance(mask, torch.Tensor) and not _expandable(tuple(mask.shape), tuple(self.shape)):
+        mask.expand(self.shape)  # (ATen's ``expand_inplace``: raises its error, as a local run does)
 
 
 def _complex_out(args, kwargs) -> None:
