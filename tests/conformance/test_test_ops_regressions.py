@@ -516,3 +516,24 @@ def test_masked_scatter_with_a_mask_that_would_grow_self_raises_at_the_call(devi
     done = x.to(device).masked_scatter_(mask.to(device), torch.arange(6.0).to(device))
     assert torch.equal(done.cpu(), x.clone().masked_scatter_(mask, torch.arange(6.0)))
     assert torch.equal((torch.ones(2).to(device) * 2).cpu(), torch.full((2,), 2.0))
+
+
+def test_dot_and_vdot_of_conjugated_inputs_give_the_conj_bit_a_local_run_gives(device):
+    """PyTorch's TestCommon test_python_ref_torch_fallback (vdot, complex64): ATen's dot/vdot turn
+    a lazily conjugated input into the other op or into a conjugated result (a conj view), and
+    the reference is compared by ``is_conj()`` as well as by value; the node resolved both."""
+    import itertools
+
+    torch.manual_seed(0)
+    for dtype in (torch.complex64, torch.complex128, torch.float32):
+        a, b = torch.randn(7, dtype=dtype), torch.randn(7, dtype=dtype)
+        for op in (torch.dot, torch.vdot):
+            for conj_a, conj_b in itertools.product((False, True), repeat=2):
+                x, y, xd, yd = a, b, a.to(device), b.to(device)
+                if conj_a:
+                    x, xd = x.conj(), xd.conj()
+                if conj_b:
+                    y, yd = y.conj(), yd.conj()
+                local, remote = op(x, y), op(xd, yd)
+                assert remote.is_conj() == local.is_conj(), (op, dtype, conj_a, conj_b)
+                assert torch.equal(remote.cpu().resolve_conj(), local.resolve_conj()), (op, dtype, conj_a, conj_b)

@@ -2279,6 +2279,8 @@ def register() -> None:
                 _aten_library.impl(name if overload == "default" else f"{name}.{overload}",
                                    functools.partial(refused, getattr(packet, overload)), "PrivateUse1")
     _aten_library.impl("_lazy_clone", _lazy_clone, "PrivateUse1")
+    _aten_library.impl("dot", _dot_of_conjugates, "PrivateUse1")
+    _aten_library.impl("vdot", _vdot_of_conjugates, "PrivateUse1")
     _aten_library.impl("convolution_overrideable", _convolution_overrideable, "PrivateUse1")
     _aten_library.impl("convolution_backward_overrideable", _convolution_backward_overrideable, "PrivateUse1")
     # The Conjugate/Negative math-bit fallbacks resolve a lazy conj/neg input of _copy_from
@@ -2443,6 +2445,32 @@ def _lazy_clone(self):
     one PyTorch's kernels write through, and a remote storage's is not (PyTorch raised "Expected
     storage != nullptr"); an eager clone gives the same values, never aliased."""
     return aten.clone.default(self)
+
+
+def _dot_of_conjugates(self, other):
+    """``dot`` as ATen's kernel reads lazily conjugated inputs: it turns them into a ``vdot`` or a
+    conjugated result (a conj view: ``is_conj()`` is part of the result a local run gives), not
+    into a copy; the node's kernel saw resolved inputs and returned a resolved result."""
+    if self.is_conj() and other.is_conj():
+        return _dot_of_conjugates(self.conj(), other.conj()).conj()
+    if self.is_conj():
+        return _fallback(aten.vdot.default, self.conj(), other)
+    if other.is_conj():
+        return _fallback(aten.vdot.default, other.conj(), self)
+    return _fallback(aten.dot.default, self, other)
+
+
+def _vdot_of_conjugates(self, other):
+    """``vdot`` as ATen's kernel reads lazily conjugated inputs (see ``_dot_of_conjugates``)."""
+    if not self.is_complex():
+        return _fallback(aten.dot.default, self, other)
+    if self.is_conj() and other.is_conj():
+        return _fallback(aten.vdot.default, other.conj(), self.conj())
+    if self.is_conj():
+        return _fallback(aten.dot.default, self.conj(), other)
+    if other.is_conj():
+        return _fallback(aten.dot.default, self, other.conj()).conj()
+    return _fallback(aten.vdot.default, self, other)
 
 
 # the ops that make a sparse tensor from a dense one (Tensor.to_sparse*, dense.to_sparse(layout=...))
