@@ -537,3 +537,40 @@ def test_dot_and_vdot_of_conjugated_inputs_give_the_conj_bit_a_local_run_gives(d
                 local, remote = op(x, y), op(xd, yd)
                 assert remote.is_conj() == local.is_conj(), (op, dtype, conj_a, conj_b)
                 assert torch.equal(remote.cpu().resolve_conj(), local.resolve_conj()), (op, dtype, conj_a, conj_b)
+
+
+def test_resizing_a_nonempty_out_warns_on_every_call_at_the_callers_line(device):
+    """PyTorch's TestCommon test_out_warning (mv, addmv, mvlgamma ...): ATen warns "An output with
+    one or more elements was resized" whenever it resizes a non-empty out= tensor. The client
+    warned only while the meta kernel inferred a signature's layout, so the second call with the
+    same shapes resized silently; the warning now comes every call, from the program's line."""
+    import re
+    import warnings
+
+    host_a, host_v = torch.randn(3, 4), torch.randn(4)
+    a, v = host_a.to(device), host_v.to(device)
+    calls = {
+        "mv": lambda out, a, v: torch.mv(a, v, out=out),
+        "add": lambda out, a, v: torch.add(v, v, out=out),
+        "mvlgamma": lambda out, a, v: torch.mvlgamma(v.abs() + 2, 1, out=out),
+        "nonzero": lambda out, a, v: torch.nonzero(v > 0, out=out),
+    }
+    for name, call in calls.items():
+        dtype = torch.long if name == "nonzero" else torch.float32
+        for _ in range(3):
+            expected_out = torch.zeros(7, dtype=dtype)
+            with warnings.catch_warnings(record=True) as local:
+                warnings.simplefilter("always")
+                call(expected_out, host_a, host_v)
+            out = torch.zeros(7, dtype=dtype, device=device)
+            with warnings.catch_warnings(record=True) as remote:
+                warnings.simplefilter("always")
+                call(out, a, v)
+            said = [re.sub(r" \(Triggered internally at .*\)$", "", str(w.message)) for w in local]
+            assert [str(w.message) for w in remote] == said, name
+            assert remote[0].filename == __file__, (name, remote[0].filename)
+            assert out.shape == expected_out.shape and torch.equal(out.cpu(), expected_out), name
+        empty = torch.empty(0, dtype=dtype, device=device)  # (an empty out is resized silently)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            call(empty, a, v)

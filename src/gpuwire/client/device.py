@@ -588,12 +588,15 @@ class MutatingPlan:
                         raise RuntimeError(f"output with shape {list(out.shape)} doesn't match the broadcast "
                                            f"shape {list(expected)}")
                 continue
-            entry = self.checker.outputs(op, args, kwargs)
+            with warnings.catch_warnings():  # (the meta kernel's resize warning: said below, every call)
+                warnings.filterwarnings("ignore", _RESIZED_WARNING)
+                entry = self.checker.outputs(op, args, kwargs)
             if entry is SYNC or entry is None or entry.meta_failed:
                 return False  # (meta_failed: the node's kernel decides, and raises here if it must)
             expected = entry.out_shapes
             if position < len(expected) and tuple(out.shape) != expected[position]:
                 shape = expected[position]
+                _warn_resized(out, shape)
                 out.resize_(shape)
                 # and restrided as TensorIterator restrides an out it resized, to the layout of
                 # the functional op's result: ``abs``, ``logical_and``, ``complex`` ... pass
@@ -649,11 +652,41 @@ class MutatingPlan:
         outs = tuple(_get_arg(args, kwargs, *s) if s else None for s in self.sources)
         for out, value in zip(outs, values):
             if isinstance(out, torch.Tensor) and isinstance(value, torch.Tensor) and out.shape != value.shape:
+                _warn_resized(out, value.shape)
                 out.resize_(value.shape)
                 out.copy_(value)
         if self.single:
             return outs[0]
         return outs if outs else None
+
+
+_RESIZED_WARNING = "An output with one or more elements was resized"
+
+
+def _warn_resized(out: torch.Tensor, shape) -> None:
+    """ATen's warning for an out= tensor it resizes (``resize_output``), said on every such call
+    as a local run says it; the meta kernel said it only while the call's layout was inferred."""
+    if out.numel():
+        warnings.warn(f"{_RESIZED_WARNING} since it had shape {list(out.shape)}, which does not match the required "
+                      f"output shape {list(shape)}. This behavior is deprecated, and in a future PyTorch release "
+                      "outputs will not be resized unless they have zero elements. You can explicitly reuse an out "
+                      "tensor t by resizing it, inplace, to zero elements with t.resize_(0).", UserWarning,
+                      stacklevel=_caller_stacklevel())
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside gpuwire's client and torch's op wrappers: a
+    warning ATen raises is attributed to the program's line, and Python's default filter shows
+    it once per such line."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and (frame.f_code.co_filename.startswith(_CLIENT_DIR)
+                                 or frame.f_code.co_filename.endswith(_TORCH_OP_WRAPPERS)):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_CLIENT_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_OP_WRAPPERS = (os.path.join("torch", "_ops.py"),)
 
 
 def _check_not_resized(sources, out_shapes, args, kwargs) -> None:
