@@ -221,6 +221,7 @@ def test_small_fills_and_copies_are_one_message_with_no_allocation(device, name,
     # messages (an Alloc and the op); sent whole they are one
     host = torch.randn(4, 6).t()  # a transposed layout: clone keeps it, contiguous does not
     remote = host.to(device)
+    make(remote, device)  # (an op's first call with a dtype other than float32/64 runs with a reply)
     rt = gpuwire.client.device.current_runtime()
     allocate = rt.allocate
     allocations = []
@@ -458,6 +459,8 @@ def test_global_max_min_median_backward_streams_and_matches_cpu(device, reduce, 
     local = x.clone().requires_grad_()
     (reduce(local) * 3).backward()
     remote = x.to(device).requires_grad_()
+    (reduce(remote) * 3).backward()  # (an op's first call with a dtype other than float32/64 runs with a reply)
+    remote.grad = None
     gpuwire.synchronize()
     rt = gpuwire.client.device.current_runtime()
     trips = rt.round_trips
@@ -599,6 +602,7 @@ def test_device_generic_streams_and_events_wait_for_the_node(device):
     if native.status() != "native":
         pytest.skip("no C++ compiler or GPUWIRE_NATIVE=0: PyTorch's Python device guard has no events")
     d = torch.arange(10.0, device=device)
+    d.index_select(0, torch.tensor([1], device=device))  # (the dtypes' first call runs with a reply)
     d.index_select(0, torch.tensor([100], device=device))  # queued; only the node finds it out of range
     with pytest.raises(gpuwire.RemoteError, match="index"):
         torch.accelerator.current_stream().synchronize()

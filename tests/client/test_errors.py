@@ -24,6 +24,7 @@ def run_script(code: str, env: dict, timeout: float = 120) -> subprocess.Complet
 
 def test_streamed_op_error_surfaces_at_next_sync_point(device):
     d = torch.arange(10.0, device=device)
+    d.index_select(0, torch.tensor([3], device=device))  # (the dtypes' first call runs with a reply)
     bad_index = torch.tensor([3, 100], device=device)
     out = d.index_select(0, bad_index)  # queued: the client cannot know the index is out of range
     with pytest.raises(gpuwire.RemoteError) as info:

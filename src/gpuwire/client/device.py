@@ -494,7 +494,7 @@ class MutatingPlan:
                 if isinstance(out, torch.Tensor) and checks.internal_overlap(out):
                     # (as every ATen out= kernel refuses it; in place, ``fill_`` and others allow it)
                     raise RuntimeError(checks.INTERNAL_OVERLAP_MESSAGE)
-            if not self._resize_outs(op, args, kwargs):
+            if not self._resize_outs(op, args, kwargs) or _dtypes_unproven(self.name, args, kwargs):
                 return self._call_sync_outs(op, args, kwargs)
         else:
             try:
@@ -529,7 +529,7 @@ class MutatingPlan:
         with warnings.catch_warnings():  # a meta kernel that resizes ``self`` warns: that is an error here
             warnings.simplefilter("ignore")
             entry = self.checker._compute(args, kwargs)
-        if entry is None:
+        if entry is None or _dtypes_unproven(self.name, args, kwargs):
             return False
         if isinstance(entry, _MetaEntry):
             _check_not_resized(self.sources, entry.out_shapes, args, kwargs)
@@ -717,6 +717,39 @@ class _MetaEntry:
 
 SYNC = object()
 
+# Whether a kernel takes a dtype is decided on the node (ATen's dispatch: '"addmm" not implemented
+# for 'Int'', '"bitwise_and_cpu" not implemented for 'Float''); meta kernels do not check it, so
+# a queued call raised at the next sync point and failed the lines after it, where CUDA raises
+# at the call. An op's first call with a combination of dtypes runs with a reply, and the
+# combination is remembered once the node ran it. Calls on float32/float64 tensors alone skip
+# this (every backend's kernels take them; a training step pays no round trip for it), except
+# for the ops that take integers only.
+_EVERY_KERNEL_DTYPES = frozenset({torch.float32, torch.float64})
+_INTEGER_ONLY_OPS = ("aten::bitwise_", "aten::__and__", "aten::__or__", "aten::__xor__", "aten::__lshift__",
+                     "aten::__rshift__", "aten::__iand__", "aten::__ior__", "aten::__ixor__", "aten::__ilshift__",
+                     "aten::__irshift__", "aten::gcd", "aten::lcm")
+_PROVEN_DTYPES: set = set()
+
+
+def _dtypes_unproven(name: str, args, kwargs) -> bool:
+    """Whether ``name`` has not yet run on the node with these arguments' dtypes; if so, the
+    combination is noted for ``_call_sync`` to remember once the node ran the call."""
+    dtypes = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            dtypes.append(value.dtype)
+        elif isinstance(value, torch.dtype):
+            dtypes.append(value)
+        elif isinstance(value, (list, tuple)):
+            dtypes.extend(v.dtype for v in value if isinstance(v, torch.Tensor))
+    if all(dtype in _EVERY_KERNEL_DTYPES for dtype in dtypes) and not name.startswith(_INTEGER_ONLY_OPS):
+        return False
+    combination = (name, tuple(dtypes))
+    if combination in _PROVEN_DTYPES:
+        return False
+    _state.proving = combination
+    return True
+
 
 class FunctionalPlan:
     """Ops that return fresh tensors: metadata from the meta kernel, cached by signature."""
@@ -822,7 +855,7 @@ class FunctionalPlan:
         if self.numbers:
             args, kwargs = _numbers_as_tensors(self.numbers, args, kwargs)
         entry = self.outputs(op, args, kwargs)
-        if entry is SYNC or entry is None:
+        if entry is SYNC or entry is None or _dtypes_unproven(self.name, args, kwargs):
             return _call_sync(op, self.name, args, kwargs)
         template = entry.template
         values = None
@@ -1777,6 +1810,10 @@ def _call_sync(op, name, args, kwargs):
     with rt.lock:
         value = rt.call_sync(name, args, kwargs)
         result = _from_result(rt, value)
+    proven = getattr(_state, "proving", None)
+    if proven is not None:
+        _state.proving = None
+        _PROVEN_DTYPES.add(proven)
     if len(op._schema.returns) > 1 and isinstance(result, list):
         return tuple(result)
     return result

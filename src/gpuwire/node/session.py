@@ -921,6 +921,13 @@ class Session:
         # charged as it was, its release took more than it had charged (-64 bytes a session)
         args_storages = [(s, s.nbytes(), s.data_ptr()) for s in _tensor_storages(event.args, event.kwargs)
                          if s.nbytes() == 0 or s.data_ptr() in self._live_ptrs]
+        kind = _OP_KINDS.get(event.name)
+        if kind is None:
+            kind = _OP_KINDS[event.name] = _op_kind(event.name, fn)
+        out_state = None
+        if kind is _OUT:  # (as in ``_run_op``: the client reads an out= tensor by the layout it sent)
+            out_state = [(value, value.is_conj(), value.is_neg(), value.stride(), value.shape)
+                         for value in chain(event.args, event.kwargs.values()) if type(value) is _TENSOR]
         with self.rng.lock:
             self.rng.acquire(self)
             try:
@@ -932,6 +939,8 @@ class Session:
             finally:
                 self._charge_resized(args_storages)
         self.ops_run += 1
+        if out_state is not None:  # (an out the kernel resized is the client's to resize: ``_call_sync_outs``)
+            self._restore_out_layouts([state[:4] for state in out_state if state[0].shape == state[4]])
         return self._encode_result(result)
 
     def _charge_resized(self, storages) -> None:
