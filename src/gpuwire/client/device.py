@@ -734,20 +734,25 @@ _PROVEN_DTYPES: set = set()
 def _dtypes_unproven(name: str, args, kwargs) -> bool:
     """Whether ``name`` has not yet run on the node with these arguments' dtypes; if so, the
     combination is noted for ``_call_sync`` to remember once the node ran the call."""
-    dtypes = []
+    dtypes, empty = [], False
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
             dtypes.append(value.dtype)
+            empty = empty or not value.numel()
         elif isinstance(value, torch.dtype):
             dtypes.append(value)
         elif isinstance(value, (list, tuple)):
-            dtypes.extend(v.dtype for v in value if isinstance(v, torch.Tensor))
+            for v in value:
+                if isinstance(v, torch.Tensor):
+                    dtypes.append(v.dtype)
+                    empty = empty or not v.numel()
     if all(dtype in _EVERY_KERNEL_DTYPES for dtype in dtypes) and not name.startswith(_INTEGER_ONLY_OPS):
         return False
     combination = (name, tuple(dtypes))
     if combination in _PROVEN_DTYPES:
         return False
-    _state.proving = combination
+    # (a call on an empty tensor proves nothing: TensorIterator runs no kernel for it)
+    _state.proving = None if empty else combination
     return True
 
 
@@ -1806,14 +1811,15 @@ class SyncPlan:
 
 
 def _call_sync(op, name, args, kwargs):
+    proving = getattr(_state, "proving", None)
+    if proving is not None:
+        _state.proving = None  # (a call that fails proves nothing: the next sync call must not take it)
     rt = runtime()
     with rt.lock:
         value = rt.call_sync(name, args, kwargs)
         result = _from_result(rt, value)
-    proven = getattr(_state, "proving", None)
-    if proven is not None:
-        _state.proving = None
-        _PROVEN_DTYPES.add(proven)
+    if proving is not None:
+        _PROVEN_DTYPES.add(proving)
     if len(op._schema.returns) > 1 and isinstance(result, list):
         return tuple(result)
     return result
