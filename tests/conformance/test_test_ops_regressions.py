@@ -613,8 +613,8 @@ def test_a_kernel_that_does_not_take_a_dtype_raises_at_the_call(device):
 
 
 def test_out_kernels_that_resize_silently_stay_silent(device):
-    """The other half of test_out_warning: ``addbmm``, ``eye``, ``narrow_copy``, ``bernoulli``,
-    ``normal`` resize a non-empty out= tensor without a warning on CPU and CUDA (their OpInfos
+    """The other half of test_out_warning: ``addbmm``, ``eye``, ``narrow_copy``, ``bernoulli``
+    resize a non-empty out= tensor without a warning on CPU and CUDA (their OpInfos
     mark the test an expected failure); their meta kernels warn, and so did the client."""
     import warnings
 
@@ -625,7 +625,6 @@ def test_out_kernels_that_resize_silently_stay_silent(device):
         "eye": lambda out, d: torch.eye(3, out=out),
         "narrow_copy": lambda out, d: torch.narrow_copy(m.to(d), 1, 0, 2, out=out),
         "bernoulli": lambda out, d: torch.bernoulli(m.sigmoid().to(d), out=out),
-        "normal": lambda out, d: torch.normal(m.to(d), 1.0, out=out),
     }
     for name, call in calls.items():
         for target in ("cpu", device):
