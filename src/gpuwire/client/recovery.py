@@ -72,6 +72,7 @@ class Recovery:
         # the latest resume: a connection the node closes again at the same command every time
         # (a fault on the node's side that this command triggers) must end in an error, not loop
         self._fruitless = 0
+        self._refusal = ""  # the last resume refusal's words (why the node ended the session, if it said)
         self._resumed_at_seq = None
         self.stats = {"reconnects": 0, "rebuilds": 0, "migrations": 0, "checkpoints": 0,
                       "checkpoint_seconds": 0.0, "last_recovery_seconds": None, "last_migration_pause": None}
@@ -197,6 +198,9 @@ class Recovery:
             if self.mode != "checkpoint":
                 why = ("the node no longer has this session" if outcome is False
                        else f"no answer within {self.grace:g} s")
+                ended = self._refusal.partition("the node ended it: ")[2] if outcome is False else ""
+                if ended:  # (its Goodbye was lost with the connection: the resume refusal carries it)
+                    raise rt._lost(ConnectionError(f"the node ended the session: {ended}")) from None
                 raise rt._lost(cause, f"lost the connection to gpuwire node {lost_address} ({cause}) and could "
                                       f"not reconnect: {why}. Remote tensors of this session are gone; run with "
                                       "GPUWIRE_DURABILITY=checkpoint to survive the loss of a node")
@@ -223,6 +227,7 @@ class Recovery:
                     "session": rt.session_id, "key": rt.resume_key, "awaiting": sorted(rt._awaiting or ())})
             except _Refused as exc:
                 if "unknown session" in exc.reason:
+                    self._refusal = exc.reason
                     return False
                 welcome = None
             except ConnectionRefusedError:

@@ -9,6 +9,7 @@ A session's failure (bad input, protocol error, dropped client) ends only that s
 
 from __future__ import annotations
 
+import collections
 import functools
 import hmac
 import logging
@@ -104,6 +105,9 @@ class NodeServer:
         node_native.install()  # (before any session: each takes the C++ helpers or Python's for life)
         log.info("per-op helpers: %s; op loop: %s", node_native.status(), node_loop.status())
         self.sessions: dict[str, Session] = {}
+        # why the node ended recent durable sessions (id -> (resume key, reason)): the client
+        # often learns of the end by a failed send, not by the Goodbye, and asks to resume
+        self._ended_reasons: collections.OrderedDict[str, tuple[str, str]] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
         self._closing = threading.Event()
@@ -326,8 +330,14 @@ class NodeServer:
         with self._lock:
             session = self.sessions.get(resume["session"])
         key = resume.get("key")
-        if session is None or session.resume_key is None or not isinstance(key, str) \
-                or not hmac.compare_digest(key.encode(), session.resume_key.encode()) or session.ended_reason:
+        if session is None or session.ended_reason:
+            resume_key, reason = (session.resume_key, session.ended_reason) if session is not None else \
+                self._ended_reasons.get(resume["session"], (None, None))
+            if reason and resume_key and isinstance(key, str) and hmac.compare_digest(key.encode(), resume_key.encode()):
+                return None, f"{unknown.split(':')[0]}: the node ended it: {reason}"
+            return None, unknown
+        if session.resume_key is None or not isinstance(key, str) \
+                or not hmac.compare_digest(key.encode(), session.resume_key.encode()):
             return None, unknown
         if self.token_verifier is not None:
             try:
@@ -373,6 +383,10 @@ class NodeServer:
                 return
             self.sessions.pop(session.id, None)
             self._sockets.pop(session.id, None)
+            if session.ended_reason and session.resume_key:
+                self._ended_reasons[session.id] = (session.resume_key, session.ended_reason)
+                while len(self._ended_reasons) > 256:
+                    self._ended_reasons.popitem(last=False)
         log.info("session %s closed: freed %d bytes in %d storages after %d ops", session.id,
                  session.bytes_in_use, len(session.storages), session.ops_run)
         session.close()
