@@ -600,7 +600,8 @@ def test_a_kernel_that_does_not_take_a_dtype_raises_at_the_call(device):
             with pytest.raises(RuntimeError) as remote:
                 call(a.to(device), f.to(device))
             assert str(remote.value).splitlines()[0] == str(local.value), name
-            assert torch.equal((torch.ones(2, dtype=torch.int32).to(device) + 1).cpu(), torch.full((2,), 2, dtype=torch.int32))
+            two = torch.full((2,), 2, dtype=torch.int32)  # (nothing left queued to fail a later line)
+            assert torch.equal((torch.ones(2, dtype=torch.int32).to(device) + 1).cpu(), two)
     # a combination the node ran is queued from then on: no round trip
     i = torch.arange(6, dtype=torch.int32).to(device)
     (i * 3 + 1).bitwise_and(i)

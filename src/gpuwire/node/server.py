@@ -333,8 +333,9 @@ class NodeServer:
         if session is None or session.ended_reason:
             resume_key, reason = (session.resume_key, session.ended_reason) if session is not None else \
                 self._ended_reasons.get(resume["session"], (None, None))
-            if reason and resume_key and isinstance(key, str) and hmac.compare_digest(key.encode(), resume_key.encode()):
-                return None, f"{unknown.split(':')[0]}: the node ended it: {reason}"
+            if reason and resume_key and isinstance(key, str) \
+                    and hmac.compare_digest(key.encode(), resume_key.encode()):
+                return None, f"unknown session: the node ended it: {reason}"
             return None, unknown
         if session.resume_key is None or not isinstance(key, str) \
                 or not hmac.compare_digest(key.encode(), session.resume_key.encode()):
