@@ -636,3 +636,29 @@ def test_out_kernels_that_resize_silently_stay_silent(device):
                     call(out, target)
                 assert not [w for w in said if "resized" in str(w.message)], (name, target)
                 assert out.shape == (torch.eye(3) if name == "eye" else call(torch.empty(0), "cpu")).shape, name
+
+
+def test_random_range_checks_raise_at_the_call(device):
+    """PyTorch's test_tensor_creation_ops.py (test_random_from_to, test_random_to): ATen checks
+    ``random_(from, to)``'s range on the host (``from < to``; for integral tensors both ends
+    within the dtype); meta kernels do not, so the node's error came at the next sync point.
+    Compared with CPU over every pair of a grid of ends near each integral dtype's bounds."""
+    import warnings
+
+    ends = [-2**31 - 1, -2**31, -2**15 - 1, -129, -128, -1, 0, 1, 2, 127, 128, 255, 256, 257, 2**15, 2**31, 2**63 - 1]
+    for dtype in (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64):
+        local, remote = torch.zeros(3, dtype=dtype), torch.zeros(3, dtype=dtype, device=device)
+        calls = [(low, high) for low in ends for high in ends] + [(low, None) for low in ends]
+        for low, high in calls:
+            said = []
+            for t in (local, remote):
+                try:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        t.random_(low, high)
+                    said.append("ok")
+                except RuntimeError as exc:
+                    said.append(str(exc))
+            assert said[0] == said[1], (dtype, low, high, said)
+        remote.random_(2)  # (nothing left queued to fail this line)
+    assert torch.equal(torch.zeros(2, device=device).cpu(), torch.zeros(2))

@@ -73,6 +73,35 @@ def _uniform(args, kwargs) -> None:
                            f"to={_cpp_double(high)}")
 
 
+# the integral dtypes ``random_`` checks its bounds for, as ATen names them in its message
+_RANDOM_BOUNDED_DTYPES = {torch.bool: "bool", torch.uint8: "unsigned char", torch.int8: "signed char",
+                          torch.int16: "short int", torch.int32: "int", torch.int64: "long int"}
+
+
+def _random_range(self: torch.Tensor, low: int, high: int | None) -> None:
+    """``random_(from, to)``'s checks, which ATen makes on the host before its kernel (meta
+    kernels do not): ``from < to``, and for integral tensors both ends within the dtype.
+    Floating dtypes (whose ends ATen rounds to the dtype first) are left to the node."""
+    if high is not None and low >= high:
+        raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={low} >= to={high}")
+    name = _RANDOM_BOUNDED_DTYPES.get(self.dtype)
+    if name is None or (high is None and low == -2**63):  # (the full 64-bit range: the kernel decides)
+        return
+    info = (0, 1) if self.dtype is torch.bool else (torch.iinfo(self.dtype).min, torch.iinfo(self.dtype).max)
+    if not info[0] <= low <= info[1]:
+        raise RuntimeError(f"from is out of bounds for {name}")
+    if high is not None and not info[0] <= high - 1 <= info[1]:
+        raise RuntimeError(f"to - 1 is out of bounds for {name}")
+
+
+def _random_from(args, kwargs) -> None:
+    _random_range(args[0], _arg(args, kwargs, 1, "from"), _arg(args, kwargs, 2, "to"))
+
+
+def _random_to(args, kwargs) -> None:
+    _random_range(args[0], 0, _arg(args, kwargs, 1, "to"))
+
+
 def _masked_fill(args, kwargs) -> None:
     self, value = args[0], _arg(args, kwargs, 2, "value")
     name = _CONVERTED_NAMES.get(self.dtype)
@@ -318,6 +347,10 @@ MISSED_BY_META = {
     "aten::bucketize.Scalar": _bucketize,
     "aten::bucketize.Tensor_out": _bucketize,
     "aten::uniform_": _uniform,
+    "aten::random_.from": _random_from,
+    "aten::random_.to": _random_to,
+    "aten::random.from": _random_from,
+    "aten::random.to": _random_to,
     "aten::masked_fill_.Scalar": _masked_fill,
     "aten::masked_scatter_": _masked_scatter,
     "aten::complex.out": _complex_out,
