@@ -2364,8 +2364,10 @@ def register() -> None:
                 _aten_library.impl(name if overload == "default" else f"{name}.{overload}",
                                    functools.partial(refused, getattr(packet, overload)), "PrivateUse1")
     _aten_library.impl("_lazy_clone", _lazy_clone, "PrivateUse1")
-    _aten_library.impl("dot", _dot_of_conjugates, "PrivateUse1")
-    _aten_library.impl("vdot", _vdot_of_conjugates, "PrivateUse1")
+    with warnings.catch_warnings():  # (ATen's own entry there is a fallthrough: "Overriding a ... kernel")
+        warnings.simplefilter("ignore")
+        _aten_library.impl("dot", _dot_of_conjugates, "Conjugate")
+        _aten_library.impl("vdot", _vdot_of_conjugates, "Conjugate")
     _aten_library.impl("convolution_overrideable", _convolution_overrideable, "PrivateUse1")
     _aten_library.impl("convolution_backward_overrideable", _convolution_backward_overrideable, "PrivateUse1")
     # The Conjugate/Negative math-bit fallbacks resolve a lazy conj/neg input of _copy_from
@@ -2532,30 +2534,34 @@ def _lazy_clone(self):
     return aten.clone.default(self)
 
 
+_CONJUGATE_KEY = torch._C.DispatchKeySet(DispatchKey.Conjugate)
+
+
 def _dot_of_conjugates(self, other):
-    """``dot`` as ATen's kernel reads lazily conjugated inputs: it turns them into a ``vdot`` or a
-    conjugated result (a conj view: ``is_conj()`` is part of the result a local run gives), not
-    into a copy; the node's kernel saw resolved inputs and returned a resolved result."""
+    """``dot`` of a lazily conjugated input (the Conjugate key's kernel, reached only then): ATen's
+    kernel turns it into a ``vdot`` or a conjugated result (a conj view: ``is_conj()`` is part of
+    the result a local run gives); the node's kernel saw resolved inputs and returned a resolved
+    result. Other devices' calls go on as ATen's fallthrough sends them."""
+    if not (on_device(self) and on_device(other)):
+        with torch._C._ExcludeDispatchKeyGuard(_CONJUGATE_KEY):
+            return aten.dot.default(self, other)
     if self.is_conj() and other.is_conj():
-        return _dot_of_conjugates(self.conj(), other.conj()).conj()
+        return aten.dot.default(self.conj(), other.conj()).conj()
     if self.is_conj():
-        return _fallback(aten.vdot.default, self.conj(), other)
-    if other.is_conj():
-        return _fallback(aten.vdot.default, other.conj(), self)
-    return _fallback(aten.dot.default, self, other)
+        return aten.vdot.default(self.conj(), other)
+    return aten.vdot.default(other.conj(), self)
 
 
 def _vdot_of_conjugates(self, other):
-    """``vdot`` as ATen's kernel reads lazily conjugated inputs (see ``_dot_of_conjugates``)."""
-    if not self.is_complex():
-        return _fallback(aten.dot.default, self, other)
+    """``vdot`` of a lazily conjugated input (see ``_dot_of_conjugates``)."""
+    if not (on_device(self) and on_device(other)):
+        with torch._C._ExcludeDispatchKeyGuard(_CONJUGATE_KEY):
+            return aten.vdot.default(self, other)
     if self.is_conj() and other.is_conj():
-        return _fallback(aten.vdot.default, other.conj(), self.conj())
+        return aten.vdot.default(other.conj(), self.conj())
     if self.is_conj():
-        return _fallback(aten.dot.default, self.conj(), other)
-    if other.is_conj():
-        return _fallback(aten.dot.default, self, other.conj()).conj()
-    return _fallback(aten.vdot.default, self, other)
+        return aten.dot.default(self.conj(), other)
+    return aten.dot.default(self, other.conj()).conj()
 
 
 # the ops that make a sparse tensor from a dense one (Tensor.to_sparse*, dense.to_sparse(layout=...))
