@@ -662,3 +662,37 @@ def test_random_range_checks_raise_at_the_call(device):
             assert said[0] == said[1], (dtype, low, high, said)
         remote.random_(2)  # (nothing left queued to fail this line)
     assert torch.equal(torch.zeros(2, device=device).cpu(), torch.zeros(2))
+
+
+def test_range_factories_write_through_an_out_of_the_right_number_of_elements(device):
+    """PyTorch's test_tensor_creation_ops.py (test_linspace/logspace/arange with ``out=`` of
+    another shape): the range factories resize their out only when its number of elements
+    differs, so ``torch.linspace(0, 3, 4, out=x.narrow(1, 1, 2))`` writes through the 2x2 view.
+    The client resized it to (4,) (writing the wrong elements, with a warning) and the node
+    refused it as a resize of an argument. ``arange`` of a wrong size warns in its own words."""
+    import warnings
+
+    calls = {
+        "linspace": lambda out: torch.linspace(0, 3, 4, out=out),
+        "logspace": lambda out: torch.logspace(0, 3, 4, out=out),
+        "arange": lambda out: torch.arange(4, out=out),
+        "arange.start": lambda out: torch.arange(1, 9, 2, out=out),
+        "range": lambda out: torch.range(0, 3, out=out),
+    }
+    views = {"narrow": lambda b: b.narrow(1, 1, 2)[:2], "transposed": lambda b: b[:2, :2].t(),
+             "same shape": lambda b: b[:2, :2], "wrong size": lambda b: b[:2, :3]}
+    for name, call in calls.items():
+        for view_name, view in views.items():
+            said = []
+            results = []
+            for target in ("cpu", device):
+                base = torch.full((3, 4), 7.0, device=target)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    out = call(view(base))
+                said.append(sorted(str(w.message).split(" (Triggered")[0] for w in caught
+                                   if "deprecated and will be removed" not in str(w.message)))
+                results.append((base.cpu(), out.shape, out.stride()))
+            assert torch.equal(results[0][0], results[1][0]), (name, view_name, results)
+            assert results[0][1:] == results[1][1:], (name, view_name, results)
+            assert said[0] == said[1], (name, view_name, said)

@@ -26,11 +26,13 @@ import threading
 import warnings
 import weakref
 from itertools import chain
+from math import prod
 
 import msgpack
 import torch
 from torch._C import DispatchKey, DispatchKeySet
 
+from .._aten import RESIZED_ONLY_BY_NUMEL
 from .._memory import RecyclingHostTensors, StorageCache
 from ..protocol import codec
 from ..protocol.codec import dense_layout
@@ -594,7 +596,8 @@ class MutatingPlan:
             if entry is SYNC or entry is None or entry.meta_failed:
                 return False  # (meta_failed: the node's kernel decides, and raises here if it must)
             expected = entry.out_shapes
-            if position < len(expected) and tuple(out.shape) != expected[position]:
+            if position < len(expected) and tuple(out.shape) != expected[position] and not (
+                    self.name in RESIZED_ONLY_BY_NUMEL and out.numel() == prod(expected[position])):
                 shape = expected[position]
                 _warn_resized(self.name, out, shape)
                 out.resize_(shape)
@@ -669,13 +672,21 @@ _RESIZED_SILENTLY = frozenset({
     "aten::addbmm.out", "aten::eye.out", "aten::eye.m_out", "aten::narrow_copy.out", "aten::bernoulli.out",
     "aten::normal.Tensor_float_out", "aten::normal.float_Tensor_out", "aten::normal.Tensor_Tensor_out",
     "aten::normal.float_float_out", "aten::multinomial.out",
-})
+}) | (RESIZED_ONLY_BY_NUMEL - {"aten::arange.out", "aten::arange.start_out"})
+_ARANGE_OUTS = frozenset({"aten::arange.out", "aten::arange.start_out"})  # (they warn in their own words)
 
 
 def _warn_resized(name: str, out: torch.Tensor, shape) -> None:
     """ATen's warning for an out= tensor it resizes (``resize_output``), said on every such call
     as a local run says it; the meta kernel said it only while the call's layout was inferred."""
-    if out.numel() and name not in _RESIZED_SILENTLY:
+    if not out.numel():
+        return
+    if name in _ARANGE_OUTS:
+        warnings.warn(f"The number of elements in the out tensor of shape {list(out.shape)} is {out.numel()} which "
+                      f"does not match the computed number of elements {prod(shape)}. Note that this may occur as a "
+                      "result of rounding error. The out tensor will be resized to a tensor of shape "
+                      f"({prod(shape)},).", UserWarning, stacklevel=_caller_stacklevel())
+    elif name not in _RESIZED_SILENTLY:
         warnings.warn(f"{_RESIZED_WARNING} since it had shape {list(out.shape)}, which does not match the required "
                       f"output shape {list(shape)}. This behavior is deprecated, and in a future PyTorch release "
                       "outputs will not be resized unless they have zero elements. You can explicitly reuse an out "

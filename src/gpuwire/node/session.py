@@ -23,6 +23,7 @@ from operator import mul
 import msgpack
 import torch
 
+from .._aten import RESIZED_ONLY_BY_NUMEL
 from .._memory import StorageCache
 from ..protocol import codec
 from ..protocol.codec import dense_layout
@@ -85,6 +86,11 @@ _unpack_tensor_ref_fields = codec.unpack_tensor_ref_fields
 _pack_descriptor = msgpack.Packer(use_bin_type=True, autoreset=True).pack
 
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
+# the allocation guard's meta run of a range factory's out= kernel resizes an out whose number of
+# elements is right (``RESIZED_ONLY_BY_NUMEL``), and its Python meta kernel warns of it: the real
+# kernel will not resize it. (Scoped to that module: a CPU kernel's own warning comes from C++.)
+warnings.filterwarnings("ignore", message="An output with one or more elements was resized",
+                        module=r"torch\._prims_common\.wrappers")
 
 
 class RanOp:
@@ -1297,7 +1303,10 @@ def _meta_cost(fn, args, kwargs, strided: bool = True) -> tuple:
     before = [(m.shape, m.untyped_storage().nbytes()) for m in made]
     try:
         result = fn(*args, **kwargs)
-        return (*_measure(made, before, result), widest)
+        fresh, grown, resized = _measure(made, before, result)
+        if resized is not None and prod(resized[0]) == prod(resized[1]) and getattr(fn, "_name", None) in RESIZED_ONLY_BY_NUMEL:
+            resized = None  # (the meta kernel resized an out whose number of elements was right: the kernel won't)
+        return fresh, grown, resized, widest
     except Exception:  # noqa: BLE001 - no meta kernel, data-dependent sizes, invalid arguments
         return _NO_ANSWER, 0, None, widest
 
