@@ -109,6 +109,40 @@ def test_deterministic_and_cudnn_flags_reach_the_node(device):
     assert _node_flags() == math_mode()
 
 
+OTHER_SESSION_PUT = textwrap.dedent("""
+    import sys, torch, gpuwire
+    gpuwire.attach(sys.argv[1])
+    # bfloat16 calls run with a reply the first time (``_dtypes_unproven``): the node's synchronous path
+    x = torch.zeros(4, dtype=torch.bfloat16, device="gpuwire")
+    x.put_(torch.tensor([0, 0], device="gpuwire"), torch.ones(2, dtype=torch.bfloat16, device="gpuwire"))
+    print(x.cpu().tolist())
+""")
+
+
+def test_a_synchronous_call_runs_with_its_own_sessions_flags(node, device):
+    """The node's synchronous path (an op's first call with a new dtype, data-dependent sizes)
+    ran with whichever session's flags were applied last: a tenant that never asked for
+    deterministic algorithms got another tenant's "put_ does not have a deterministic
+    implementation" (on CUDA: another tenant's TF32, SDPA backends, cuDNN choices)."""
+    saved = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert _node_flags()["deterministic_algorithms"] is True
+        torch.ones(1, device=device).sum().item()  # (this session's flags applied last on the node)
+        env = {k: v for k, v in os.environ.items() if k != "GPUWIRE_NODE"}
+        other = subprocess.run([sys.executable, "-c", OTHER_SESSION_PUT, node.address], capture_output=True,
+                               text=True, timeout=120, env=env)
+        assert other.returncode == 0, other.stderr[-3000:]
+        assert other.stdout.strip() == "[1.0, 0.0, 0.0, 0.0]"
+        # and this session's own synchronous call runs with its own flags
+        x = torch.zeros(4, dtype=torch.float16, device=device)
+        with pytest.raises(RuntimeError, match="does not have a deterministic implementation"):
+            x.put_(torch.tensor([0, 0], device=device), torch.ones(2, dtype=torch.float16, device=device))
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+    assert _node_flags() == math_mode()
+
+
 FACTORIES = {
     "ones": lambda d: torch.ones(3, device=d), "full": lambda d: torch.full((3,), 1 / 3, device=d),
     "arange": lambda d: torch.arange(0.0, 1.0, 0.1, device=d), "linspace": lambda d: torch.linspace(0, 1, 7, device=d),

@@ -936,6 +936,13 @@ class Session:
                          for value in chain(event.args, event.kwargs.values()) if type(value) is _TENSOR]
         with self.rng.lock:
             self.rng.acquire(self)
+            # this session's math-mode flags, as ``_run_op`` applies them: a call with a reply (an
+            # op's first with a new dtype) ran with the last session's (another tenant's TF32,
+            # deterministic algorithms, SDPA backends)
+            if self.precision is not APPLIED_PRECISION[0]:
+                apply_precision(self.precision)
+            if event.name in SESSION_OPS:
+                CURRENT.session = self
             try:
                 result = fn(*event.args, **event.kwargs)
             except (RuntimeError, NotImplementedError) as exc:  # (as in ``_run_op``)
@@ -943,6 +950,7 @@ class Session:
                     raise
                 result = run_upcast(fn, event.args, event.kwargs)
             finally:
+                CURRENT.session = None
                 self._charge_resized(args_storages)
         self.ops_run += 1
         if out_state is not None:  # (an out the kernel resized is the client's to resize: ``_call_sync_outs``)
