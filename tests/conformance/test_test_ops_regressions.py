@@ -613,6 +613,34 @@ def test_a_kernel_that_does_not_take_a_dtype_raises_at_the_call(device):
     assert torch.equal(got.cpu(), (host * 3 + 1).bitwise_and(host))
 
 
+def test_dtype_checks_can_be_turned_off(node):
+    """``GPUWIRE_CHECK_DTYPES=0``: first calls are queued too (no round trip), and a kernel's
+    dtype error comes at the next sync point, naming the op."""
+    import subprocess
+    import sys
+    import textwrap
+
+    program = textwrap.dedent("""
+        import sys, torch, gpuwire
+        gpuwire.attach(sys.argv[1])
+        x = torch.ones(3, dtype=torch.float16, device="gpuwire")
+        gpuwire.synchronize()
+        trips = gpuwire.stats()["round_trips"]
+        y = torch.bitwise_and(torch.ones(3, device="gpuwire"), torch.ones(3, device="gpuwire"))
+        z = x * 3
+        print("queued", gpuwire.stats()["round_trips"] - trips)
+        try:
+            gpuwire.synchronize()
+        except RuntimeError as exc:
+            print("at the sync point:", "bitwise_and" in str(exc))
+    """)
+    env = {k: v for k, v in __import__("os").environ.items() if k != "GPUWIRE_NODE"}
+    done = subprocess.run([sys.executable, "-c", program, node.address], capture_output=True, text=True,
+                          timeout=120, env={**env, "GPUWIRE_CHECK_DTYPES": "0"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:2] == ["queued 0", "at the sync point: True"], done.stdout
+
+
 def test_out_kernels_that_resize_silently_stay_silent(device):
     """The other half of test_out_warning: ``addbmm``, ``eye``, ``narrow_copy``, ``bernoulli``
     resize a non-empty out= tensor without a warning on CPU and CUDA (their OpInfos

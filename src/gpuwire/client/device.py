@@ -749,6 +749,8 @@ _INTEGER_ONLY_OPS = ("aten::bitwise_", "aten::__and__", "aten::__or__", "aten::_
                      "aten::__rshift__", "aten::__iand__", "aten::__ior__", "aten::__ixor__", "aten::__ilshift__",
                      "aten::__irshift__", "aten::gcd", "aten::lcm")
 _PROVEN_DTYPES: set = set()
+# GPUWIRE_CHECK_DTYPES=0 queues first calls too (their dtype errors then come at the next sync point)
+_CHECK_DTYPES = os.environ.get("GPUWIRE_CHECK_DTYPES", "1") not in ("", "0")
 
 
 def _dtypes_unproven(name: str, args, kwargs) -> bool:
@@ -766,7 +768,8 @@ def _dtypes_unproven(name: str, args, kwargs) -> bool:
                 if isinstance(v, torch.Tensor):
                     dtypes.append(v.dtype)
                     empty = empty or not v.numel()
-    if all(dtype in _EVERY_KERNEL_DTYPES for dtype in dtypes) and not name.startswith(_INTEGER_ONLY_OPS):
+    if not _CHECK_DTYPES or all(dtype in _EVERY_KERNEL_DTYPES for dtype in dtypes) and not name.startswith(
+            _INTEGER_ONLY_OPS):
         return False
     combination = (name, tuple(dtypes))
     if combination in _PROVEN_DTYPES:
