@@ -6,6 +6,7 @@ node's hot path, whose effect on a live step drowns in the noise of a shared 2-c
     python -m bench.node_replay record gpt2 60 /tmp/gpt2.bin   # a node that records, 60 steps
     python -m bench.node_replay replay /tmp/gpt2.bin 3          # node CPU per event, 3 runs
     python -m bench.node_replay ops /tmp/gpt2.bin 3             # the native loop's ops, by name
+    GPUWIRE_REPLAY_PROFILE=30 python -m bench.node_replay ops /tmp/gpt2.bin 2   # + torch.profiler's table
 
 ``record`` starts a node whose connections keep every byte they receive, runs the workload
 (bench/models.py) against it and saves the session's byte stream (GPUWIRE_REPLAY_BACKEND=cuda:
@@ -38,6 +39,9 @@ WARM_EVENTS = int(os.environ.get("GPUWIRE_REPLAY_WARM_EVENTS", "4000"))  # model
 BACKEND = os.environ.get("GPUWIRE_REPLAY_BACKEND", "cpu")
 # "bf16": the recorded steps run under torch.autocast (a host-bound step on a GPU)
 AMP = os.environ.get("GPUWIRE_REPLAY_AMP", "")
+# GPUWIRE_REPLAY_PROFILE=N: ``ops`` also prints the N host functions (aten ops, CUDA runtime calls)
+# that took the most self time in its last run, under torch.profiler
+PROFILE = os.environ.get("GPUWIRE_REPLAY_PROFILE", "")
 
 
 def _recording_node(out: str) -> None:
@@ -226,7 +230,13 @@ def ops(path: str, runs: int) -> None:
         return
     best: dict[str, float] = {}
     calls: dict[str, int] = {}
-    for _ in range(runs):
+    profiler = None
+    if PROFILE:  # the host's time by aten op and CUDA runtime call, over the last run
+        import torch
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    for run in range(runs):
+        if profiler is not None and run == runs - 1:
+            profiler.__enter__()
         seconds: dict[str, float] = {}
         counts: dict[str, int] = {}
         events = [0]
@@ -252,6 +262,8 @@ def ops(path: str, runs: int) -> None:
                 break
             session.handle(event)
         session.close()
+        if profiler is not None and run == runs - 1:
+            profiler.__exit__(None, None, None)
         for name, took in seconds.items():
             best[name] = min(best.get(name, float("inf")), took / counts[name])
             calls[name] = counts[name]
@@ -259,9 +271,17 @@ def ops(path: str, runs: int) -> None:
     print(f"{sum(calls.values())} frames the loop ran, {total * 1e3:.1f} ms (best of {runs} runs for each op)")
     for name in sorted(best, key=lambda n: -best[n] * calls[n])[:30]:
         print(f"{best[name] * calls[name] * 1e3:8.1f} ms {calls[name]:7d} x {best[name] * 1e6:7.1f} us  {name}")
+    if profiler is not None:
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=int(PROFILE)))
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] in (["_node"], ["replay"], ["ops"]):
+        # a node's process, as the ``gpuwire`` command: a plain ``import gpuwire`` registers the
+        # client's device, and with it registered PyTorch's autograd serves no other accelerator
+        # (pytorch/pytorch#161129): a CUDA node's kept SDPA graph failed its backward
+        # ("opt_ready_stream && opt_parent_stream INTERNAL ASSERT FAILED")
+        sys.argv[0] = "gpuwire"
     if len(argv) >= 2 and argv[0] == "_node":
         _recording_node(argv[1])
         return 0
