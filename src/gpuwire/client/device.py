@@ -685,28 +685,15 @@ def _warn_resized(name: str, out: torch.Tensor, shape) -> None:
         warnings.warn(f"The number of elements in the out tensor of shape {list(out.shape)} is {out.numel()} which "
                       f"does not match the computed number of elements {prod(shape)}. Note that this may occur as a "
                       "result of rounding error. The out tensor will be resized to a tensor of shape "
-                      f"({prod(shape)},).", UserWarning, stacklevel=_caller_stacklevel())
+                      f"({prod(shape)},).", UserWarning, stacklevel=checks.caller_stacklevel())
     elif name not in _RESIZED_SILENTLY:
         warnings.warn(f"{_RESIZED_WARNING} since it had shape {list(out.shape)}, which does not match the required "
                       f"output shape {list(shape)}. This behavior is deprecated, and in a future PyTorch release "
                       "outputs will not be resized unless they have zero elements. You can explicitly reuse an out "
                       "tensor t by resizing it, inplace, to zero elements with t.resize_(0).", UserWarning,
-                      stacklevel=_caller_stacklevel())
+                      stacklevel=checks.caller_stacklevel())
 
 
-def _caller_stacklevel() -> int:
-    """The ``stacklevel`` of the first frame outside gpuwire's client and torch's op wrappers: a
-    warning ATen raises is attributed to the program's line, and Python's default filter shows
-    it once per such line."""
-    frame, level = sys._getframe(2), 2
-    while frame is not None and (frame.f_code.co_filename.startswith(_CLIENT_DIR)
-                                 or frame.f_code.co_filename.endswith(_TORCH_OP_WRAPPERS)):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-_CLIENT_DIR = os.path.dirname(os.path.abspath(__file__))
-_TORCH_OP_WRAPPERS = (os.path.join("torch", "_ops.py"),)
 
 
 def _check_not_resized(sources, out_shapes, args, kwargs) -> None:
