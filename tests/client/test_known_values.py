@@ -187,6 +187,7 @@ def test_a_write_refused_for_overlapping_its_source_is_not_known(device, write):
 def test_a_failure_on_the_node_makes_the_client_forget_what_it_knew(device):
     """An error raised at a sync point may belong to any queued op, including one whose result
     the client mirrored: after it, reads go to the node again."""
+    torch.randn(3, device=device).index_select(0, torch.tensor([1]).to(device))  # (its dtypes proven: queued)
     mask = torch.tensor([1, 0, 1, 1]).to(device)
     kept = mask.bool()
     assert kept.tolist() == [True, False, True, True]
@@ -209,6 +210,7 @@ def test_a_full_table_keeps_a_mask_uploaded_a_moment_ago(device):
 
     rt = client_device.runtime()
     bool(torch.ones(4, 16, dtype=torch.long).to(device).all())  # (the op's first call learns its layout)
+    rt.mirror.clear()  # (what earlier tests left)
     kept = [torch.full((4,), i).to(device) for i in range(mirror.MAX_ENTRIES)]  # live: never freed
     assert len(rt.mirror) >= mirror.MAX_ENTRIES - 1
     while len(rt.mirror) >= mirror.MAX_ENTRIES:  # one entry short of full
@@ -236,3 +238,40 @@ def test_freed_storages_leave_the_table(device):
         del t
     rt._collect_garbage()
     assert len(rt.mirror) <= before + 2
+
+
+def test_iterating_a_device_tensor_reads_it_once(device):
+    """``for token in ids: int(token)``, ``all(t == x)``: each element's ``.item()`` was a round
+    trip (a 1M-element loop in PyTorch's own tests took 100 s). A second element read of the same
+    storage reads all of it (up to 1 MiB), and the rest are answered here."""
+    values = {torch.int64: torch.arange(1000) * 3 - 7, torch.float32: torch.linspace(-2, 5, 1000) ** 3,
+              torch.bool: torch.arange(1000) % 3 == 0}
+    for dtype, host in values.items():
+        computed = (host.to(device) + 0) if dtype is not torch.bool else host.to(device) & True  # (on the node)
+        gpuwire.synchronize()
+        before = _round_trips()
+        got = [v.item() for v in computed]
+        assert got == host.tolist(), dtype
+        assert _round_trips() - before == 2, dtype
+    a, b = torch.arange(40).to(device) * 2, torch.arange(40).to(device) * 5
+    gpuwire.synchronize()
+    before = _round_trips()
+    assert sum(int(x) * int(y) for x, y in zip(a, b)) == sum(x * 2 * x * 5 for x in range(40))
+    assert _round_trips() - before == 4  # (two storages read in turn: two reads of each)
+
+
+@pytest.mark.parametrize("write", list(WRITES), ids=list(WRITES))
+def test_a_write_after_iterating_is_read_from_the_node(device, write):
+    host = torch.arange(24, dtype=torch.long).view(4, 6) * 3 - 5
+    mask = host.to(device) + 0  # (computed on the node)
+    assert [int(v) for v in mask.view(-1)[:3]] == host.view(-1)[:3].tolist()  # (now mirrored whole)
+    WRITES[write](mask)
+    expected = mask.cpu()
+    reference = host.clone()
+    if write == "copy_ from the device":
+        reference = expected.clone()
+    else:
+        torch.manual_seed(0)
+        WRITES[write](reference)
+    assert torch.equal(expected, reference), write
+    assert [int(v) for v in mask.view(-1)] == reference.view(-1).tolist(), write

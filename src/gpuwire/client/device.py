@@ -870,7 +870,8 @@ class FunctionalPlan:
         if self.numbers:
             args, kwargs = _numbers_as_tensors(self.numbers, args, kwargs)
         entry = self.outputs(op, args, kwargs)
-        if entry is SYNC or entry is None or _dtypes_unproven(self.name, args, kwargs):
+        # (checked first: a call run with a reply for another reason proves its dtypes too)
+        if _dtypes_unproven(self.name, args, kwargs) or entry is SYNC or entry is None:
             return _call_sync(op, self.name, args, kwargs)
         template = entry.template
         values = None
@@ -2039,7 +2040,18 @@ def _copy_from_and_resize(op, args, kwargs):
 
 
 def _local_scalar_dense(op, args, kwargs):
-    return download(args[0]).item()
+    t = args[0]
+    rt = runtime()
+    storage_id = storage_id_of(t)
+    reads = rt.scalar_reads
+    if storage_id not in reads:
+        if len(reads) >= 8:  # (the oldest goes: zipped iterations read a few storages in turn)
+            del reads[next(iter(reads))]
+        reads[storage_id] = True
+    elif storage_id not in rt.mirror:
+        with rt.lock:
+            mirror.read_whole(rt, t)
+    return download(t).item()
 
 
 def _resize(op, args, kwargs):

@@ -94,7 +94,10 @@ def functional_overload(schema):
     if not name.startswith("aten::") or not (overload == "out" or overload.endswith("_out")):
         return None
     base = overload[:-4] if overload.endswith("_out") else ""
-    functional = getattr(getattr(torch.ops.aten, name[len("aten::"):]), base or "default", None)
+    packet = getattr(torch.ops.aten, name[len("aten::"):])
+    if overload == "all_out":  # (``all.all_out`` / ``any.all_out`` compute ``all`` / ``any``)
+        base = ""
+    functional = getattr(packet, base or "default", None)
     return (f"{name}.{base}" if base else name, functional) if functional is not None else None
 
 
@@ -169,6 +172,27 @@ def remember(rt, t: torch.Tensor, values: torch.Tensor, bit_exact: bool = False)
     host = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
     host.copy_(values)
     _store(rt, t, host)
+
+
+READ_WHOLE_MAX = 1 << 20  # bytes
+
+
+def read_whole(rt, t: torch.Tensor) -> None:
+    """Before a second ``.item()`` of an element of the same storage in a row: read the whole
+    storage (at most ``READ_WHOLE_MAX`` bytes) and mirror it, so the reads of the elements after
+    it are answered here. Iterating a device tensor (``for token in ids[0]: ...``, ``all(t ==
+    x)``) read one element a round trip: a 1M-element loop of PyTorch's own tests took 100 s,
+    a generation loop decoding tokens one by one N round trips."""
+    storage = t.untyped_storage()
+    nbytes = storage.nbytes()
+    if not ENABLED or not 0 < nbytes <= READ_WHOLE_MAX:
+        return
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    rt.read(storage.data_ptr(), 0, nbytes, into=memoryview(host.numpy()))
+    mirror = rt.mirror
+    if len(mirror) >= MAX_ENTRIES:
+        evict_oldest(mirror)
+    mirror[storage.data_ptr()] = host.untyped_storage()
 
 
 def remember_read(rt, t: torch.Tensor, host: torch.Tensor) -> None:

@@ -185,6 +185,9 @@ class Runtime:
         # storage id of a tiny predicate result -> the tiny tensor it was computed from, read
         # along with it (``mirror.note_input``)
         self.read_along: dict = {}
+        # storage ids of the last few ``.item()`` reads: a second element read of one of them
+        # reads all of its storage (``mirror.read_whole``)
+        self.scalar_reads: dict = {}  # (a dict: insertion order)
         self.bytes_sent = 0
         self.bytes_received = 0
         self._queue: list = []
