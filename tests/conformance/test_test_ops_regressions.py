@@ -753,3 +753,50 @@ def test_range_factories_write_through_an_out_of_the_right_number_of_elements(de
             assert torch.equal(results[0][0], results[1][0]), (name, view_name, results)
             assert results[0][1:] == results[1][1:], (name, view_name, results)
             assert said[0] == said[1], (name, view_name, said)
+
+
+def test_sampling_argument_checks_raise_at_the_call(device):
+    """PyTorch's test_tensor_creation_ops.py (test_normal_std_error, test_uniform_from_to,
+    test_randperm, test_new_empty_strided): ATen checks ``normal``'s std (a tensor's by reading
+    its smallest element, as CUDA does), ``uniform_``'s ends and their difference, ``randperm``'s
+    n against the dtype, and ``empty_strided``'s sizes against its strides on the host; those
+    errors came at the next sync point (failing the test after), or in other words. Compared
+    with CPU word for word."""
+    import warnings
+
+    cases = {
+        "normal_": lambda d: torch.empty(3, device=d).normal_(0, -1),
+        "normal_ of nan": lambda d: torch.empty(3, device=d).normal_(0, float("nan")),
+        "float std": lambda d: torch.normal(torch.zeros(3, device=d), -1.5),
+        "sized": lambda d: torch.normal(0, -1e-7, (3,), device=d),
+        "tensor std": lambda d: torch.normal(0.0, -torch.ones(3, device=d)),
+        "tensor std with a nan": lambda d: torch.normal(torch.zeros(3, device=d), torch.tensor([1.0, float("nan")], device=d)),
+        "valid tensor std": lambda d: torch.normal(torch.zeros(3, device=d), torch.ones(3, device=d)).shape,
+        "empty tensor std": lambda d: torch.normal(torch.zeros(0, device=d), -torch.ones(0, device=d)).shape,
+        "complex std": lambda d: torch.normal(torch.zeros(3, device=d), torch.ones(3, dtype=torch.complex64, device=d)),
+        "out=": lambda d: torch.normal(torch.zeros(3, device=d), -torch.ones(3, device=d), out=torch.empty(3, device=d)),
+        "new_empty_strided": lambda d: torch.tensor(1.0, device=d).new_empty_strided((2,), ()),
+    }
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64):
+        for low, high in ((-3.5e38, 3.5e38), (0, 70000), (5, 1), (-65504, 65504), (float("nan"), 1), (-3e38, 3e38)):
+            cases[f"uniform_ {dtype} {low} {high}"] = (
+                lambda dtype, low, high: lambda d: torch.empty(3, dtype=dtype, device=d).uniform_(low, high).shape)(
+                    dtype, low, high)
+    for n in (0, 5, 256, 257, 2049, 2050, 2**24 + 2, -1, 70000):
+        for dtype in (torch.uint8, torch.int8, torch.float16, torch.float32, torch.int64):
+            cases[f"randperm(out=) {n} {dtype}"] = (lambda n, dtype: lambda d: torch.randperm(
+                n, out=torch.empty(0, dtype=dtype, device=d)).shape)(n, dtype)
+            if n < 2**20:
+                cases[f"randperm {n} {dtype}"] = (lambda n, dtype: lambda d: torch.randperm(
+                    n, dtype=dtype, device=d).shape)(n, dtype)
+    for name, call in cases.items():
+        said = []
+        for target in ("cpu", device):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    said.append(("ok", call(target)))
+            except RuntimeError as exc:
+                said.append(str(exc).splitlines()[0])
+        assert said[0] == said[1], (name, said)
+    assert torch.equal(torch.ones(2, device=device).cpu(), torch.ones(2))  # (nothing left queued to fail)

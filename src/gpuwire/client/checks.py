@@ -36,7 +36,7 @@ TYPE_META_NAMES = {
 }
 # the C++ type names of ``Scalar::to<T>``'s overflow error
 _CONVERTED_NAMES = {torch.float16: "at::Half", torch.bfloat16: "at::BFloat16", torch.float32: "float",
-                    torch.float64: "double", torch.int8: "int8_t", torch.int16: "int16_t", torch.int32: "int",
+                    torch.float64: "double", torch.uint8: "uint8_t", torch.int8: "int8_t", torch.int16: "int16_t", torch.int32: "int",
                     torch.int64: "int64_t"}
 INTERNAL_OVERLAP_MESSAGE = ("unsupported operation: more than one element of the written-to tensor refers to a "
                             "single memory location. Please clone() the tensor before performing the operation.")
@@ -69,11 +69,85 @@ def broadcast_into(out_shape: torch.Size, src_shape: torch.Size) -> None:
         raise RuntimeError(f"output with shape {list(out_shape)} doesn't match the broadcast shape {list(broadcast)}")
 
 
+_REAL_OF_COMPLEX = {torch.complex64: torch.float32, torch.complex128: torch.float64, torch.complex32: torch.float16}
+
+
 def _uniform(args, kwargs) -> None:
+    """``uniform_``'s checks (ATen ``uniform_impl_``, on the host): both ends within the dtype
+    (a complex tensor's real one), ``from <= to``, and ``to - from`` within the dtype."""
+    self = args[0]
     low, high = _arg(args, kwargs, 1, "from", 0.0), _arg(args, kwargs, 2, "to", 1.0)
+    dtype = _REAL_OF_COMPLEX.get(self.dtype, self.dtype)
+    if not dtype.is_floating_point:
+        return  # (the kernel takes no such dtype: the node's dispatch says so)
+    info = torch.finfo(dtype)
+    for value, what in ((low, "from"), (high, "to")):
+        if not float(info.min) <= value <= float(info.max):
+            raise RuntimeError(f"{what} is out of bounds for {TYPE_META_NAMES[dtype]}")
     if low > high:
         raise RuntimeError(f"uniform_ expects to return a [from, to) range, but found from={_cpp_double(low)} > "
                            f"to={_cpp_double(high)}")
+    if float(high) - float(low) > float(info.max):
+        raise RuntimeError(f"uniform_ expects to-from <= std::numeric_limits<{SCALAR_TYPE_NAMES[dtype]}>::max(), but "
+                           f"found to={_cpp_double(high)} and from={_cpp_double(low)} which result in to-from to "
+                           "exceed the limit")
+
+
+def _normal_std(std) -> None:
+    """``normal``'s check of its standard deviation (ATen ``CHECK_NORMAL_STD`` /
+    ``CHECK_NORMAL_TENSOR_STD``). A tensor's is checked by its smallest element, read back as
+    CUDA reads it (one round trip, as CUDA's kernel syncs for it)."""
+    if isinstance(std, torch.Tensor):
+        if std.is_complex():
+            raise RuntimeError("normal expects standard deviation to be non-complex")
+        if std.numel() and not bool(std.min().ge(0)):
+            raise RuntimeError("normal expects all elements of std >= 0.0")
+    elif isinstance(std, (int, float)) and not std >= 0.0:
+        raise RuntimeError(f"normal expects std >= 0.0, but found std {_cpp_double(std)}")
+
+
+def _normal_second(args, kwargs) -> None:  # (normal_(self, mean, std), normal.Tensor_float(mean, std) ...)
+    _normal_std(_arg(args, kwargs, 1, "std", 1.0))
+
+
+def _normal_in_place(args, kwargs) -> None:
+    _normal_std(_arg(args, kwargs, 2, "std", 1.0))
+
+
+def _randperm_out(args, kwargs) -> None:
+    """``randperm``'s checks of ``n`` against its out tensor (ATen ``randperm_out_cpu`` and
+    ``check_supported_max_int_with_precision``), made on the host before the kernel."""
+    n, out = args[0], kwargs.get("out")
+    if isinstance(n, int) and isinstance(out, torch.Tensor):
+        if n < 0:
+            raise RuntimeError(f"n must be non-negative, got{n}")
+        _randperm_n(n, out.dtype)
+
+
+def _randperm(args, kwargs) -> None:
+    """``torch.randperm(n, dtype=...)``: ``empty``'s size check, then ``_randperm_out``'s."""
+    n = args[0]
+    if isinstance(n, int):
+        nonnegative_sizes((n,))
+        _randperm_n(n, kwargs.get("dtype") or torch.int64)
+
+
+def _randperm_n(n: int, dtype) -> None:
+    if not dtype.is_floating_point:  # (``scalar_tensor(n - 1)`` of a floating type does not check)
+        _fits_dtype(n - 1 if n > 0 else n, dtype)
+    limits = {torch.float16: (11, "2049", "Half"), torch.float32: (24, "2^24+1", "Float"),
+              torch.float64: (53, "2^53+1", "Double")}
+    if dtype in limits:
+        bits, said, name = limits[dtype]
+        if n > (1 << bits) + 1:
+            raise RuntimeError(f"n cannot be greater than {said} for {name} type.")
+
+
+def _fits_dtype(value, dtype) -> None:
+    """c10's ``checked_convert`` of a number to ``dtype`` (a ``Scalar`` made into a tensor of it)."""
+    name = _CONVERTED_NAMES.get(dtype)
+    if name is not None and not isinstance(value, bool) and _overflows(value, dtype):
+        raise RuntimeError(f"value cannot be converted to type {name} without overflow")
 
 
 # the integral dtypes ``random_`` checks its bounds for, as ATen names them in its message
@@ -195,16 +269,21 @@ def _masked_fill(args, kwargs) -> None:
         value = value.real
     if not isinstance(value, (int, float)):
         return
-    if self.dtype.is_floating_point:
-        if not math.isfinite(value):
-            return  # (inf and nan convert to every floating type)
-        info = torch.finfo(self.dtype)
-        overflows = float(value) > info.max or float(value) < info.min
-    else:
-        info = torch.iinfo(self.dtype)
-        overflows = value > info.max or value < info.min if math.isfinite(value) else True
-    if overflows:
+    if _overflows(value, self.dtype):
         raise RuntimeError(f"value cannot be converted to type {name} without overflow")
+
+
+def _overflows(value, dtype) -> bool:
+    """c10's ``overflows<To>(value)``: beyond a floating type's finite range (inf and nan convert),
+    beyond an integral type's; an unsigned type takes negative numbers down to ``-max`` (they wrap)."""
+    if dtype.is_floating_point:
+        info = torch.finfo(dtype)
+        return math.isfinite(value) and (float(value) > info.max or float(value) < info.min)
+    if not math.isfinite(value):
+        return True
+    info = torch.iinfo(dtype)
+    low = -info.max if info.min == 0 else info.min
+    return value > info.max or value < low
 
 
 def _masked_scatter(args, kwargs) -> None:
@@ -429,6 +508,19 @@ MISSED_BY_META = {
     "aten::bucketize.Scalar": _bucketize,
     "aten::bucketize.Tensor_out": _bucketize,
     "aten::uniform_": _uniform,
+    "aten::normal_": _normal_in_place,
+    "aten::normal.Tensor_float": _normal_second,
+    "aten::normal.Tensor_float_out": _normal_second,
+    "aten::normal.float_Tensor": _normal_second,
+    "aten::normal.float_Tensor_out": _normal_second,
+    "aten::normal.Tensor_Tensor": _normal_second,
+    "aten::normal.Tensor_Tensor_out": _normal_second,
+    "aten::normal.float_float": _normal_second,
+    "aten::normal.float_float_out": _normal_second,
+    "aten::randperm": _randperm,
+    "aten::randperm.generator": _randperm,
+    "aten::randperm.out": _randperm_out,
+    "aten::randperm.generator_out": _randperm_out,
     "aten::random_.from": _random_from,
     "aten::random_.to": _random_to,
     "aten::random.from": _random_from,

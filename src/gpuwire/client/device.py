@@ -1891,6 +1891,9 @@ def _empty_memory_format(op, args, kwargs):
 
 def _empty_strided(op, args, kwargs):
     sizes, strides = tuple(args[0]), tuple(args[1])
+    if len(sizes) != len(strides):  # (ATen's check; ``set_`` below would say only "out of bounds")
+        raise RuntimeError(f"dimensionality of sizes ({len(sizes)}) must match dimensionality of strides "
+                           f"({len(strides)})")
     checks.nonnegative_sizes(sizes)
     dtype = kwargs.get("dtype") or (args[2] if len(args) > 2 and args[2] is not None else torch.get_default_dtype())
     rt = runtime()
