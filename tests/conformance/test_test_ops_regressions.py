@@ -800,3 +800,46 @@ def test_sampling_argument_checks_raise_at_the_call(device):
                 said.append(str(exc).splitlines()[0])
         assert said[0] == said[1], (name, said)
     assert torch.equal(torch.ones(2, device=device).cpu(), torch.ones(2))  # (nothing left queued to fail)
+
+
+def test_reduction_argument_checks_and_warnings_at_the_call(device):
+    """PyTorch's test_reductions.py: ``torch.all(x, 0, out=torch.empty_like(x))`` (a program's
+    fresh out of the wrong size: taken for C++'s own, it was not resized and the node refused it),
+    ``std``/``var``'s degrees-of-freedom warning (said by the node's kernel, in its log), ``nansum``'s
+    dims (listed twice, more than 64; ``dim=()`` reduces all, where its meta kernel reduced none),
+    ``mode``'s out= dtypes. Compared with CPU, errors and warnings word for word."""
+    import warnings
+
+    x = torch.arange(6.0).view(2, 3)
+    cases = {
+        "all into empty_like": lambda d: (lambda t, o: (torch.all(t, 0, out=o), o.cpu().tolist())[1])(
+            torch.ones(4, dtype=torch.bool, device=d), torch.empty(4, dtype=torch.bool, device=d)),
+        "all into a float out": lambda d: torch.all(x.to(d), 0, out=torch.empty(3, device=d)),
+        "any into a long out": lambda d: torch.any(x.to(d), out=torch.empty((), dtype=torch.long, device=d)),
+        "nansum dim listed twice": lambda d: torch.nansum(x.to(d), dim=(0, -2)),
+        "nansum of 65 dims": lambda d: torch.nansum(torch.ones([1] * 65, device=d), dim=0),
+        "nansum of no dims": lambda d: torch.nansum(x.to(d), dim=()).cpu().tolist(),
+        "nansum of no dims, keepdim": lambda d: torch.nansum(x.to(d), dim=(), keepdim=True).cpu().tolist(),
+        "mode values dtype": lambda d: torch.mode(x.to(d), -1, True, out=(torch.ones(2, device=d, dtype=torch.float64),
+                                                                          torch.ones(2, device=d, dtype=torch.long))),
+        "mode indices dtype": lambda d: torch.mode(x.to(d), -1, True, out=(torch.ones(2, device=d),
+                                                                           torch.ones(2, device=d, dtype=torch.int32))),
+    }
+    for fn in (torch.std, torch.var, torch.var_mean, torch.std_mean):
+        for correction in (2, 3, 3.5):
+            cases[f"{fn.__name__} correction={correction}"] = (lambda fn, c: lambda d: str(
+                fn(x.to(d), dim=-1, correction=c)).count("nan"))(fn, correction)
+        cases[f"{fn.__name__} of complex"] = (lambda fn: lambda d: str(fn(x.to(torch.complex64).to(d), dim=1,
+                                                                          correction=3)).count("nan"))(fn)
+    for name, call in cases.items():
+        said = []
+        for target in ("cpu", device):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    outcome = call(target)
+                except RuntimeError as exc:
+                    outcome = str(exc).splitlines()[0]
+            said.append((outcome, [str(w.message).split(" (Triggered")[0] for w in caught if w.filename == __file__]))
+        assert said[0] == said[1], (name, said)
+    assert torch.equal(torch.ones(2, device=device).cpu(), torch.ones(2))

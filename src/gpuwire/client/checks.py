@@ -114,6 +114,70 @@ def _normal_in_place(args, kwargs) -> None:
     _normal_std(_arg(args, kwargs, 2, "std", 1.0))
 
 
+def _degrees_of_freedom(fname: str):
+    """``std``/``var``/``var_mean``/``std_mean``'s warning (ATen ``warn_invalid_degrees_of_freedom``,
+    raised on the host): the correction is not below the number of elements reduced into each
+    result element. The node's kernel says it too, in its own log; a program sees it here."""
+    def check(args, kwargs) -> None:
+        self = args[0]
+        if not isinstance(self, torch.Tensor):
+            return
+        dim, correction = _arg(args, kwargs, 1, "dim"), kwargs.get("correction")
+        correction = 1 if correction is None else correction
+        try:
+            reduced = (set(range(self.dim())) if not dim else
+                       {d % max(self.dim(), 1) for d in ((dim,) if isinstance(dim, int) else dim)})
+        except TypeError:
+            return
+        out_numel = math.prod(size for d, size in enumerate(self.shape) if d not in reduced)
+        factor = 0 if out_numel == 0 else self.numel() // out_numel
+        if factor - correction <= 0:
+            for _ in range(2 if self.is_complex() else 1):  # (a complex input's real and imaginary parts)
+                warnings.warn(f"{fname}(): degrees of freedom is <= 0. Correction should be strictly less than the "
+                              "reduction factor (input numel divided by output numel).", UserWarning,
+                              stacklevel=caller_stacklevel())
+    return check
+
+
+def _reduction_dims(args, kwargs) -> None:
+    """A reduction's dims checked as ATen's ``make_dim_mask`` checks them (the ``nansum`` meta
+    kernel does not): at most 64 dims, none listed twice."""
+    self, dim = args[0], _arg(args, kwargs, 1, "dim")
+    if not isinstance(self, torch.Tensor):
+        return
+    if self.dim() > 64:
+        raise RuntimeError("only tensors with up to 64 dims are supported")
+    if isinstance(dim, (list, tuple)) and len(dim) > 1:
+        seen = set()
+        for d in dim:
+            if isinstance(d, int) and -max(self.dim(), 1) <= d < max(self.dim(), 1):
+                wrapped = d % max(self.dim(), 1)
+                if wrapped in seen:
+                    raise RuntimeError(f"dim {wrapped} appears multiple times in the list of dims")
+                seen.add(wrapped)
+
+
+def _bytebool_out(name: str):
+    """``all``/``any``'s out= dtype (ATen ``check_result_is_bytebool``; their meta kernels skip it)."""
+    def check(args, kwargs) -> None:
+        out = kwargs.get("out")
+        if isinstance(out, torch.Tensor) and out.dtype not in (torch.bool, torch.uint8):
+            raise RuntimeError(f"{name} only supports bool tensor for result, got: "
+                               f"{SCALAR_TYPE_NAMES.get(out.dtype, out.dtype)}")
+    return check
+
+
+def _mode_out(args, kwargs) -> None:
+    """``mode``'s out= dtypes (checked on the host by ATen's ``mode_out``)."""
+    self, values, indices = args[0], kwargs.get("values"), kwargs.get("indices")
+    if isinstance(values, torch.Tensor) and values.dtype != self.dtype:
+        raise RuntimeError(f"expected scalar type '{SCALAR_TYPE_NAMES[self.dtype]}' but got "
+                           f"'{SCALAR_TYPE_NAMES.get(values.dtype, values.dtype)}' for values output")
+    if isinstance(indices, torch.Tensor) and indices.dtype != torch.int64:
+        raise RuntimeError(f"expected scalar type 'Long' but got '{SCALAR_TYPE_NAMES.get(indices.dtype, indices.dtype)}' "
+                           "for indices output")
+
+
 def _randperm_out(args, kwargs) -> None:
     """``randperm``'s checks of ``n`` against its out tensor (ATen ``randperm_out_cpu`` and
     ``check_supported_max_int_with_precision``), made on the host before the kernel."""
@@ -517,6 +581,13 @@ MISSED_BY_META = {
     "aten::normal.Tensor_Tensor_out": _normal_second,
     "aten::normal.float_float": _normal_second,
     "aten::normal.float_float_out": _normal_second,
+    **{f"aten::{fname}.{overload}": _degrees_of_freedom(fname) for fname in ("std", "var", "var_mean", "std_mean")
+       for overload in ("correction", "correction_out")},
+    "aten::nansum": _reduction_dims,
+    "aten::nansum.out": _reduction_dims,
+    "aten::mode.values": _mode_out,
+    **{f"aten::{name}.{overload}": _bytebool_out(name) for name in ("all", "any")
+       for overload in ("out", "dims_out", "all_out")},
     "aten::randperm": _randperm,
     "aten::randperm.generator": _randperm,
     "aten::randperm.out": _randperm_out,

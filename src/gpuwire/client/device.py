@@ -573,11 +573,16 @@ class MutatingPlan:
                 continue
             if out is fresh and out.numel():
                 # (a program's ``empty`` passed straight to out= is fresh too: ``nonzero(x,
-                # out=torch.empty(()))`` must still run with a reply, its size is data)
-                entry = self.checker.outputs(op, args, kwargs)
+                # out=torch.empty(()))`` must still run with a reply, its size is data, and
+                # ``torch.all(x, 0, out=torch.empty_like(x))`` must be resized)
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", _RESIZED_WARNING)
+                    entry = self.checker.outputs(op, args, kwargs)
                 if entry is SYNC or entry is None:
                     return False
-                continue
+                if entry.meta_failed or position >= len(entry.out_shapes) or \
+                        tuple(out.shape) == entry.out_shapes[position]:
+                    continue
             if any(out is a for a in args):
                 if self._cannot_take_result(op, args, kwargs, out):
                     return False  # also read by the op: it may not be resized
@@ -2158,7 +2163,21 @@ def _cudnn_conv_layout(input_slot: int, weight_slot: int, outputs: tuple[int, ..
 
 
 # ops whose CUDA kernel's output metadata differs from what the meta kernel gives
+def _nansum_of_no_dims(args, kwargs, result):
+    """``nansum(x, dim=())`` reduces every dim on CPU and CUDA (``make_dim_mask``: an empty
+    list means all), where its meta kernel reduces none."""
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if dim is None or len(dim) or not isinstance(result, torch.Tensor) or not isinstance(args[0], torch.Tensor):
+        return result
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    return torch.empty((1,) * args[0].dim() if keepdim else (), dtype=result.dtype, device=result.device)
+
+
+_KERNEL_FIXES_EVERYWHERE = {"aten::nansum": _nansum_of_no_dims}
+_CPU_KERNEL_FIXES.update(_KERNEL_FIXES_EVERYWHERE)
+
 _CUDA_KERNEL_FIXES = {
+    **_KERNEL_FIXES_EVERYWHERE,
     "aten::convolution.default": _cudnn_conv_layout(0, 1, None),
     # (grad_output, input, weight, ...) -> (grad_input, grad_weight, grad_bias)
     "aten::convolution_backward.default": _cudnn_conv_layout(1, 2, (0, 1)),
