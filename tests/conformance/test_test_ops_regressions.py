@@ -843,3 +843,21 @@ def test_reduction_argument_checks_and_warnings_at_the_call(device):
             said.append((outcome, [str(w.message).split(" (Triggered")[0] for w in caught if w.filename == __file__]))
         assert said[0] == said[1], (name, said)
     assert torch.equal(torch.ones(2, device=device).cpu(), torch.ones(2))
+
+
+def test_heaviside_of_mixed_or_complex_dtypes_raises_at_the_call(device):
+    """PyTorch's test_binary_ufuncs.py (test_heaviside, test_heaviside_complex): ATen refuses
+    complex operands, then operands of different dtypes, on the host; the meta kernel promotes."""
+    for a, b in ((torch.float32, torch.float64), (torch.complex64, torch.complex64), (torch.complex64, torch.float32),
+                 (torch.float32, torch.float32)):
+        said = []
+        for target in ("cpu", device):
+            x, v = torch.tensor([-1.0, 0, 2]).to(a).to(target), torch.tensor([0.5, 0.5, 0.5]).to(b).to(target)
+            for call in (lambda: torch.heaviside(x, v), lambda: x.clone().heaviside_(v),
+                         lambda: torch.heaviside(x, v, out=torch.empty(3, dtype=a, device=target))):
+                try:
+                    said.append(call().cpu().tolist())
+                except RuntimeError as exc:
+                    said.append(str(exc))
+        assert said[:3] == said[3:], (a, b, said)
+    assert torch.equal(torch.ones(2, device=device).cpu(), torch.ones(2))

@@ -432,6 +432,17 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
                       and a.numel() * a.element_size() == b.numel() * b.element_size())
 
 
+def _heaviside(args, kwargs) -> None:
+    """``heaviside``'s dtype check (ATen's, on the host; its meta kernel promotes instead)."""
+    self, values = args[0], _arg(args, kwargs, 1, "values")
+    if not isinstance(self, torch.Tensor) or not isinstance(values, torch.Tensor):
+        return
+    if self.is_complex() or values.is_complex():
+        raise RuntimeError("heaviside is not yet implemented for complex tensors.")
+    if self.dtype != values.dtype:
+        raise RuntimeError("heaviside is not yet implemented for tensors with different dtypes.")
+
+
 def _gelu(args, kwargs) -> None:
     approximate = kwargs.get("approximate", "none")
     if approximate not in ("none", "tanh"):
@@ -607,4 +618,7 @@ MISSED_BY_META = {
     "aten::take.out": _no_overlap(((0, "self"), (1, "index")), ("out",)),
     "aten::cat.out": _no_overlap(((0, "tensors"),), ("out",)),
     "aten::bernoulli.out": _no_overlap(((0, "self"),), ("out",)),
+    "aten::heaviside": _heaviside,
+    "aten::heaviside_": _heaviside,
+    "aten::heaviside.out": _heaviside,
 }
