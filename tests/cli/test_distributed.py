@@ -278,16 +278,9 @@ def test_torchrun_ranks_each_drive_cuda_local_rank_under_gpuwire_run(node, tmp_p
     # local_rank) and DDP(device_ids=[local_rank]) raised "gpuwire device 1 does not exist"
     path = tmp_path / "torchrun_ddp.py"
     path.write_text(TORCHRUN_SCRIPT)
-
-    def torchrun(*prefix, device_type):
-        command = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                   f"--master_port={free_port()}", str(path), device_type]
-        done = _run_job(command, cwd=REPO)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return sorted(line for line in done.stdout.splitlines() if line.startswith("RESULT"))
-
-    remote = torchrun(sys.executable, "-m", "gpuwire", "run", "--node", node.address, "-q", "--", device_type="cuda")
-    local = torchrun(device_type="cpu")
+    # (through ``_two_ranks``: the plain-PyTorch reference run is retried on gloo's exit abort)
+    remote = _two_ranks(path, "cuda", launcher=_gpuwire_run(node), timeout=240)
+    local = _two_ranks(path, "cpu", timeout=240)
     assert len(remote) == 2 and remote == local
 
 
@@ -406,16 +399,9 @@ def test_transformers_trainer_with_fsdp_under_gpuwire_run_matches_cpu_gloo(node,
     Its training loss equals the same ranks' on CPU with gloo, bit for bit."""
     path = tmp_path / "hf_fsdp.py"
     path.write_text(HF_FSDP_SCRIPT)
-
-    def torchrun(*prefix, where):
-        command = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                   f"--master_port={free_port()}", str(path), str(tmp_path / where), where]
-        done = _run_job(command, cwd=REPO)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return [line for line in done.stdout.splitlines() if line.startswith("RESULT")]
-
-    remote = torchrun(sys.executable, "-m", "gpuwire", "run", "--node", node.address, "-q", "--", where="cuda")
-    local = torchrun(where="cpu")
+    # (through ``_two_ranks``: the plain-PyTorch reference run is retried on gloo's exit abort)
+    remote = _two_ranks(path, str(tmp_path / "cuda"), "cuda", launcher=_gpuwire_run(node), timeout=240)
+    local = _two_ranks(path, str(tmp_path / "cpu"), "cpu", timeout=240)
     assert len(remote) == 1 and remote == local
 
 
