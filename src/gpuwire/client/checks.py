@@ -196,13 +196,16 @@ def _randperm(args, kwargs) -> None:
         _randperm_n(n, kwargs.get("dtype") or torch.int64)
 
 
+# the largest n whose permutation a floating dtype holds exactly (bits of mantissa, as ATen says it)
+_RANDPERM_PRECISION = {torch.float16: (11, "2049", "Half"), torch.float32: (24, "2^24+1", "Float"),
+                       torch.float64: (53, "2^53+1", "Double")}
+
+
 def _randperm_n(n: int, dtype) -> None:
     if not dtype.is_floating_point:  # (``scalar_tensor(n - 1)`` of a floating type does not check)
         _fits_dtype(n - 1 if n > 0 else n, dtype)
-    limits = {torch.float16: (11, "2049", "Half"), torch.float32: (24, "2^24+1", "Float"),
-              torch.float64: (53, "2^53+1", "Double")}
-    if dtype in limits:
-        bits, said, name = limits[dtype]
+    if dtype in _RANDPERM_PRECISION:
+        bits, said, name = _RANDPERM_PRECISION[dtype]
         if n > (1 << bits) + 1:
             raise RuntimeError(f"n cannot be greater than {said} for {name} type.")
 
@@ -214,9 +217,8 @@ def _fits_dtype(value, dtype) -> None:
         raise RuntimeError(f"value cannot be converted to type {name} without overflow")
 
 
-# the integral dtypes ``random_`` checks its bounds for, as ATen names them in its message
-_RANDOM_BOUNDED_DTYPES = {torch.bool: "bool", torch.uint8: "unsigned char", torch.int8: "signed char",
-                          torch.int16: "short int", torch.int32: "int", torch.int64: "long int"}
+# the integral dtypes ``random_`` checks its bounds for (ATen names them by ``TYPE_META_NAMES``)
+_RANDOM_BOUNDED_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def _random_range(self: torch.Tensor, low: int, high: int | None) -> None:
@@ -228,9 +230,9 @@ def _random_range(self: torch.Tensor, low: int, high: int | None) -> None:
     if self.dtype in _RANDOM_FLOAT_DIGITS:
         _random_float_range(self.dtype, low, high)
         return
-    name = _RANDOM_BOUNDED_DTYPES.get(self.dtype)
-    if name is None or (high is None and low == -2**63):  # (the full 64-bit range: the kernel decides)
-        return
+    if self.dtype not in _RANDOM_BOUNDED_DTYPES or (high is None and low == -2**63):
+        return  # (the full 64-bit range: the kernel decides)
+    name = TYPE_META_NAMES[self.dtype]
     info = (0, 1) if self.dtype is torch.bool else (torch.iinfo(self.dtype).min, torch.iinfo(self.dtype).max)
     if not info[0] <= low <= info[1]:
         raise RuntimeError(f"from is out of bounds for {name}")
@@ -331,10 +333,8 @@ def _masked_fill(args, kwargs) -> None:
         if value.imag != 0:  # (to a real type: ``Scalar::to`` refuses a nonzero imaginary part)
             raise RuntimeError(f"value cannot be converted to type {name} without overflow")
         value = value.real
-    if not isinstance(value, (int, float)):
-        return
-    if _overflows(value, self.dtype):
-        raise RuntimeError(f"value cannot be converted to type {name} without overflow")
+    if isinstance(value, (int, float)):
+        _fits_dtype(value, self.dtype)
 
 
 def _overflows(value, dtype) -> bool:

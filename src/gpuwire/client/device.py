@@ -575,9 +575,7 @@ class MutatingPlan:
                 # (a program's ``empty`` passed straight to out= is fresh too: ``nonzero(x,
                 # out=torch.empty(()))`` must still run with a reply, its size is data, and
                 # ``torch.all(x, 0, out=torch.empty_like(x))`` must be resized)
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", _RESIZED_WARNING)
-                    entry = self.checker.outputs(op, args, kwargs)
+                entry = self.checker.outputs(op, args, kwargs)
                 if entry is SYNC or entry is None:
                     return False
                 if entry.meta_failed or position >= len(entry.out_shapes) or \
@@ -595,9 +593,7 @@ class MutatingPlan:
                         raise RuntimeError(f"output with shape {list(out.shape)} doesn't match the broadcast "
                                            f"shape {list(expected)}")
                 continue
-            with warnings.catch_warnings():  # (the meta kernel's resize warning: said below, every call)
-                warnings.filterwarnings("ignore", _RESIZED_WARNING)
-                entry = self.checker.outputs(op, args, kwargs)
+            entry = self.checker.outputs(op, args, kwargs)
             if entry is SYNC or entry is None or entry.meta_failed:
                 return False  # (meta_failed: the node's kernel decides, and raises here if it must)
             expected = entry.out_shapes
@@ -794,7 +790,9 @@ class FunctionalPlan:
         except TypeError:  # an unhashable argument: no caching
             key = entry = None
         if entry is None:
-            entry = self._compute(args, kwargs)
+            with warnings.catch_warnings():  # (a meta out= kernel's resize warning: ``_warn_resized`` says it)
+                warnings.filterwarnings("ignore", _RESIZED_WARNING)
+                entry = self._compute(args, kwargs)
             if key is not None and entry is not None and not _has_host_mask(args, kwargs):
                 if len(self.cache) >= _CACHE_MAX:
                     self.cache.clear()

@@ -189,10 +189,7 @@ def read_whole(rt, t: torch.Tensor) -> None:
         return
     host = torch.empty(nbytes, dtype=torch.uint8)
     rt.read(storage.data_ptr(), 0, nbytes, into=memoryview(host.numpy()))
-    mirror = rt.mirror
-    if len(mirror) >= MAX_ENTRIES:
-        evict_oldest(mirror)
-    mirror[storage.data_ptr()] = host.untyped_storage()
+    _store(rt, t, host)
 
 
 def remember_read(rt, t: torch.Tensor, host: torch.Tensor) -> None:
