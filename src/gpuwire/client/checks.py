@@ -382,6 +382,22 @@ def _aminmax_out(args, kwargs) -> None:
                                f"but got {TYPE_META_NAMES.get(out.dtype, out.dtype)} instead")
 
 
+def _histc(args, kwargs) -> None:
+    """``histc``'s range check (ATen's, on the host): with ``min == max`` (the default) the range
+    is the data's, read back as both CPU and CUDA read it (one round trip); a range that is not
+    finite is refused at the call rather than at the next sync point."""
+    self = args[0]
+    if not (isinstance(self, torch.Tensor) and self.is_floating_point()):
+        return  # (integer histograms are counted by the node's CUDA-like kernel)
+    low, high = _arg(args, kwargs, 2, "min", 0), _arg(args, kwargs, 3, "max", 0)
+    if low == high and self.numel():
+        low, high = torch.stack(torch.aminmax(self.detach())).tolist()
+    if low == high:
+        low, high = low - 1, high + 1
+    if not all(math.isfinite(end) for end in (low, high)):
+        raise RuntimeError(f"torch.histc: range of [{_cpp_double(low)}, {_cpp_double(high)}] is not finite")
+
+
 def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """ATen's ``get_overlap_status`` is Full or Partial: the same storage and intersecting byte
     ranges, judged only for dense tensors (else "too hard", and ATen lets it pass)."""
@@ -611,6 +627,8 @@ MISSED_BY_META = {
     "aten::masked_scatter_": _masked_scatter,
     "aten::complex.out": _complex_out,
     "aten::aminmax.out": _aminmax_out,
+    "aten::histc": _histc,
+    "aten::histc.out": _histc,
     "aten::masked_select.out": _no_overlap(((0, "self"), (1, "mask")), ("out",)),
     "aten::kthvalue.values": _no_overlap(((0, "self"),), ("values", "indices")),
     "aten::gather.out": _no_overlap(((0, "self"), (2, "index")), ("out",), partial_only=("index",)),
