@@ -872,3 +872,35 @@ def test_heaviside_of_mixed_or_complex_dtypes_raises_at_the_call(device):
                     said.append(str(exc))
         assert said[:3] == said[3:], (a, b, said)
     assert torch.equal(torch.ones(2, device=device).cpu(), torch.ones(2))
+
+
+def test_searchsorted_warns_of_non_contiguous_operands_at_the_callers_line(device):
+    """PyTorch's test_reductions.py (test_bucketization): ``searchsorted``/``bucketize`` warn of each
+    non-contiguous operand (values, boundaries, sorter) in the program, at its line, as CPU does;
+    the node's kernel said it in its own log only."""
+    import warnings
+
+    sequence = torch.arange(12.0).view(3, 4).t()
+    values = torch.arange(12.0).view(3, 4).t().to(torch.int32)
+    sorter = torch.argsort(sequence, dim=-1).t().contiguous().t()
+    calls = {
+        "searchsorted": lambda d: torch.searchsorted(sequence.to(d), values.to(d)),
+        "searchsorted of contiguous": lambda d: torch.searchsorted(sequence.contiguous().to(d), values.contiguous().to(d)),
+        "searchsorted with sorter": lambda d: torch.searchsorted(sequence.to(d), values.to(d), sorter=sorter.to(d)),
+        "searchsorted of a scalar": lambda d: torch.searchsorted(torch.arange(10.0, device=d)[::2], 3),
+        "bucketize": lambda d: torch.bucketize(values.to(d), torch.arange(10.0, device=d)[::2]),
+    }
+    always = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)
+    try:
+        for name, call in calls.items():
+            said = []
+            for target in ("cpu", device):
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    result = call(target).cpu()
+                said.append((result.tolist(), [str(w.message).split(" (Triggered")[0] for w in caught
+                                               if w.filename == __file__]))
+            assert said[0] == said[1], (name, said)
+    finally:
+        torch.set_warn_always(always)

@@ -489,6 +489,30 @@ def _bucketize(args, kwargs) -> None:
     boundaries = _arg(args, kwargs, 1, "boundaries")
     if isinstance(boundaries, torch.Tensor) and boundaries.dim() != 1:
         raise RuntimeError(f"boundaries tensor must be 1 dimension, but got dim({boundaries.dim()})")
+    _noncontiguous_search(args[0], boundaries)
+
+
+def _searchsorted(args, kwargs) -> None:
+    _noncontiguous_search(_arg(args, kwargs, 1, "self"), args[0], kwargs.get("sorter"))
+
+
+_WARNED_ONCE: set = set()
+
+
+def _noncontiguous_search(values, boundaries, sorter=None) -> None:
+    """``searchsorted``/``bucketize``'s warnings of a non-contiguous operand (ATen
+    ``searchsorted_maybe_trim_input_tensors``, a ``TORCH_WARN_ONCE`` each, or every time under
+    ``torch.set_warn_always``): the node's kernel says them in its own log, a program sees them here."""
+    for what, operand in (("input value", values), ("boundary", boundaries), ("sorter", sorter)):
+        if not isinstance(operand, torch.Tensor) or operand.is_contiguous():
+            continue
+        message = (f"torch.searchsorted(): {what} tensor is non-contiguous, this will lower the performance due to "
+                   f"extra data copy when converting non-contiguous tensor to contiguous, please use contiguous {what} "
+                   "tensor if possible. This message will only appear once per program.")
+        if message in _WARNED_ONCE and not torch.is_warn_always_enabled():
+            continue
+        _WARNED_ONCE.add(message)
+        warnings.warn(message, UserWarning, stacklevel=caller_stacklevel())
 
 
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.uint8, torch.bool)
@@ -598,6 +622,10 @@ MISSED_BY_META = {
     "aten::bucketize.Tensor": _bucketize,
     "aten::bucketize.Scalar": _bucketize,
     "aten::bucketize.Tensor_out": _bucketize,
+    "aten::searchsorted.Tensor": _searchsorted,
+    "aten::searchsorted.Tensor_out": _searchsorted,
+    "aten::searchsorted.Scalar": _searchsorted,
+    "aten::searchsorted.Scalar_out": _searchsorted,
     "aten::uniform_": _uniform,
     "aten::normal_": _normal_in_place,
     "aten::normal.Tensor_float": _normal_second,
