@@ -8,9 +8,11 @@
 
 #include <c10/core/TensorImpl.h>
 #include <c10/util/ArrayRef.h>
+#include <c10/util/Exception.h>
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace gpuwire_common {
 
@@ -151,6 +153,29 @@ inline PyObject* scalar_type(PyObject*, PyObject* obj) {
   Py_DECREF(cdata);
   if (impl == nullptr) return nullptr;
   return PyLong_FromLong(static_cast<long>(impl->dtype().toScalarType()));
+}
+
+// quiet_warnings(True) ... quiet_warnings(False): c10 warnings (TORCH_WARN) on this thread are
+// dropped in between (calls nest). For work that runs a kernel's checks without being the call
+// whose warnings a program should see: the client's shape inference (the node's kernel says
+// them, once), the node's meta pass before the kernel itself.
+struct DroppedWarnings final : c10::WarningHandler {
+  void process(const c10::Warning&) override {}
+};
+
+inline PyObject* quiet_warnings(PyObject*, PyObject* on) {
+  static thread_local DroppedWarnings dropped;
+  static thread_local std::vector<c10::WarningHandler*> replaced;
+  const int quiet = PyObject_IsTrue(on);
+  if (quiet < 0) return nullptr;
+  if (quiet) {
+    replaced.push_back(c10::WarningUtils::get_warning_handler());
+    c10::WarningUtils::set_warning_handler(&dropped);
+  } else if (!replaced.empty()) {
+    c10::WarningUtils::set_warning_handler(replaced.back());
+    replaced.pop_back();
+  }
+  Py_RETURN_NONE;
 }
 
 }  // namespace gpuwire_common

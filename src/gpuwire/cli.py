@@ -66,13 +66,14 @@ def serve(
                                          help="Exit when stdin closes (used by the embedded node)."),
 ):
     """Run a GPU node: serve PyTorch ops to gpuwire clients over TCP."""
+    import torch
+
     from .node import Backend, NodeServer
     from .node.backend import BackendUnavailable
 
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if threads:
-        import torch
         torch.set_num_threads(threads)
     try:
         chosen = Backend.select(backend, device_index)
@@ -106,6 +107,9 @@ def serve(
     except ValueError as exc:
         typer.echo(f"gpuwire serve: {exc}", err=True)
         raise typer.Exit(2)
+    # a kernel's TORCH_WARN_ONCE is passed on every time: "once" is once per client program (whose
+    # filters show it once per line), not once for every tenant this node will ever serve
+    torch.set_warn_always(True)
     server = NodeServer(host, port, backend=chosen, token=token, max_sessions=max_sessions, idle_timeout=idle_timeout,
                         handshake_timeout=handshake_timeout,
                         session_memory=budget, tls=tls)

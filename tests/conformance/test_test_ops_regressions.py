@@ -904,3 +904,24 @@ def test_searchsorted_warns_of_non_contiguous_operands_at_the_callers_line(devic
             assert said[0] == said[1], (name, said)
     finally:
         torch.set_warn_always(always)
+
+
+def test_frexp_into_outs_of_the_wrong_dtypes_raises_at_the_call(device):
+    """PyTorch's test_unary_ufuncs.py (test_frexp_assert_raises): ``frexp``'s exponent out must be
+    int32 and its mantissa out of the input's dtype (ATen's host checks; the meta kernel took a
+    floating exponent, refused by the node at the next sync point, failing later lines)."""
+    for dtype in (torch.float32, torch.float16, torch.float64):
+        for mantissa_dtype, exponent_dtype in ((dtype, torch.float32), (dtype, torch.float64), (dtype, torch.int64),
+                                               (torch.float64 if dtype != torch.float64 else torch.float32, torch.int32),
+                                               (dtype, torch.int32)):
+            said = []
+            for target in ("cpu", device):
+                x = torch.linspace(-3, 3, 6, device=target).to(dtype)
+                mantissa, exponent = torch.empty_like(x, dtype=mantissa_dtype), torch.empty_like(x, dtype=exponent_dtype)
+                try:
+                    torch.frexp(x, out=(mantissa, exponent))
+                    said.append((mantissa.cpu().tolist(), exponent.cpu().tolist()))
+                except RuntimeError as exc:
+                    said.append(str(exc))
+            assert said[0] == said[1], (dtype, mantissa_dtype, exponent_dtype, said)
+    assert torch.equal(torch.ones(2, device=device).cpu(), torch.ones(2))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 import warnings
 
@@ -251,6 +252,25 @@ def caller_stacklevel() -> int:
     return level
 
 
+# warnings this client says itself at the op's line (the checks here, ``device._warn_resized``):
+# the node's kernel saying them again is not passed on
+_SAID_BY_THE_CLIENT = re.compile(
+    r"An output with one or more elements was resized|The number of elements in the out tensor"
+    r"|torch\.searchsorted\(\): [a-z ]+ tensor is non-contiguous|(std|var|var_mean|std_mean)\(\): degrees of freedom"
+    r"|(from|to - 1) is out of bounds \[-\(2\^")
+
+
+def say_node_warnings(said: list) -> None:
+    """Warn the program of what the node's kernels said (``[category, text]`` pairs of a
+    "warnings" Notice), at the first line of the program up the stack: a streamed op's warning
+    comes with the reply the program waits for, at its next sync point."""
+    level = caller_stacklevel()
+    for category, text in said:
+        if isinstance(text, str) and not _SAID_BY_THE_CLIENT.match(text):
+            warnings.warn(text, DeprecationWarning if category == "DeprecationWarning" else UserWarning,
+                          stacklevel=level)
+
+
 _CLIENT_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_OP_WRAPPERS = (os.path.join("torch", "_ops.py"),)
 _RANDOM_FLOAT_DIGITS = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
@@ -380,6 +400,20 @@ def _aminmax_out(args, kwargs) -> None:
         if isinstance(out, torch.Tensor) and out.dtype != self.dtype:
             raise RuntimeError(f"Expected out tensor to have dtype {TYPE_META_NAMES.get(self.dtype, self.dtype)}, "
                                f"but got {TYPE_META_NAMES.get(out.dtype, out.dtype)} instead")
+
+
+def _frexp_out(args, kwargs) -> None:
+    """``frexp``'s out= dtypes (ATen ``frexp_out``, on the host; the meta kernel takes any
+    floating exponent)."""
+    self, mantissa, exponent = args[0], kwargs.get("mantissa"), kwargs.get("exponent")
+    if not isinstance(self, torch.Tensor) or not self.is_floating_point():
+        return  # (the meta kernel refuses it in ATen's words)
+    if isinstance(mantissa, torch.Tensor) and mantissa.dtype != self.dtype:
+        raise RuntimeError(f"torch.frexp() expects mantissa to have dtype {TYPE_META_NAMES[self.dtype]} but got "
+                           f"{TYPE_META_NAMES.get(mantissa.dtype, mantissa.dtype)}")
+    if isinstance(exponent, torch.Tensor) and exponent.dtype != torch.int32:
+        raise RuntimeError("torch.frexp() expects exponent to have int dtype but got "
+                           f"{TYPE_META_NAMES.get(exponent.dtype, exponent.dtype)}")
 
 
 def _histc(args, kwargs) -> None:
@@ -656,6 +690,7 @@ MISSED_BY_META = {
     "aten::complex.out": _complex_out,
     "aten::aminmax.out": _aminmax_out,
     "aten::histc": _histc,
+    "aten::frexp.Tensor_out": _frexp_out,
     "aten::histc.out": _histc,
     "aten::masked_select.out": _no_overlap(((0, "self"), (1, "mask")), ("out",)),
     "aten::kthvalue.values": _no_overlap(((0, "self"),), ("values", "indices")),

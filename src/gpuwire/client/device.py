@@ -297,6 +297,27 @@ def _shape(value):
     return value
 
 
+class _KernelWarningsQuiet:
+    """``with _QUIET:``: c10 warnings (TORCH_WARN) raised on this thread in between are dropped
+    (the client helper's ``quiet_warnings``; without the helper, nothing changes). Around the
+    client's shape inference (meta and fake kernels) and a structured op's first call, which
+    run the op's checks without being its kernel: the node's kernel says its warnings to the
+    program (``Runtime.say_node_warnings``), once, as a local run does."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        if native.module is not None:
+            native.module.quiet_warnings(True)
+
+    def __exit__(self, *exc):
+        if native.module is not None:
+            native.module.quiet_warnings(False)
+
+
+_QUIET = _KernelWarningsQuiet()
+
+
 def _make_plan(op):
     special = SPECIAL.get(op)
     if special is not None:
@@ -800,6 +821,10 @@ class FunctionalPlan:
         return entry
 
     def _compute(self, args, kwargs):
+        with _QUIET:
+            return self._infer(args, kwargs)
+
+    def _infer(self, args, kwargs):
         # On a CPU node, meta kernels answer for every op whose meta and CPU kernels agree: fake
         # CPU tensors give the same answer 5-40x slower (0.5-0.8 ms an op), which every new
         # shape pays: each step of a model fed variable-length batches, each generated token.
@@ -1231,7 +1256,8 @@ class DirectPlan:
                 return self._learn_from_meta(key, args, kwargs)
         rt = runtime()
         trips, sent = rt.round_trips, rt.ops_sent
-        result = self.composite.call_boxed(keyset, *args, **kwargs)
+        with _QUIET:  # (its meta function's warnings: the node's kernel says them)
+            result = self.composite.call_boxed(keyset, *args, **kwargs)
         if key is None or rt.round_trips != trips or rt is not _runtime:
             return result  # data-dependent sizes (or a debug mode that syncs every op): never cached
         if rt.ops_sent == sent:
@@ -1834,6 +1860,8 @@ def _call_sync(op, name, args, kwargs):
         result = _from_result(rt, value)
     if proving is not None:
         _PROVEN_DTYPES.add(proving)
+    if rt.node_warnings:
+        rt.say_node_warnings()
     if len(op._schema.returns) > 1 and isinstance(result, list):
         return tuple(result)
     return result

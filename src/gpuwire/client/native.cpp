@@ -1317,6 +1317,8 @@ PyMethodDef methods[] = {
     {"encode_default", encode_default, METH_O, "msgpack default hook: gpuwire tensors natively."},
     {"encode_device_tensors", encode_device_tensors, METH_O, "(key, encoded, storage ids) of a tensor list, or None."},
     {"scalar_type", gpuwire_common::scalar_type, METH_O, "The c10::ScalarType number of a tensor's dtype."},
+    {"quiet_warnings", gpuwire_common::quiet_warnings, METH_O,
+     "quiet_warnings(True) ... quiet_warnings(False): this thread's c10 warnings are dropped in between."},
     {"register_views", register_views, METH_O, "Register the C++ view kernel for these aten ops at PrivateUse1."},
     {"configure_ops", configure_ops, METH_VARARGS, "Give the op kernels their Python hooks."},
     {"register_ops", register_ops, METH_O, "Register C++ op kernels in front of these ops' Python plans."},

@@ -10,6 +10,7 @@ the queue and wait: that is the only place the client blocks, and ``round_trips`
 from __future__ import annotations
 
 import atexit
+import logging
 import multiprocessing.util as _mp_util
 import os
 import re
@@ -47,6 +48,8 @@ from . import wire
 from .mirror import forget_freed, forget_storages
 from .probe import connect_timeout_from_env, dial_node, handshake, parse_address
 from .wire import HostTensorArgument, host_tensors_by_value, refuse_host_tensors
+
+log = logging.getLogger("gpuwire.client")
 
 # an op's out declarations for the native kernels (``submit_native``): [storage id, then the
 # kernel's encoding of nbytes, sizes, strides, code]
@@ -220,6 +223,7 @@ class Runtime:
         self._sock.settimeout(reply_timeout)
         self._last_alloc = None  # (storage id, nbytes, queued frame) of the latest Alloc
         self._read_into: dict[int, memoryview] = {}  # Read seq -> where its Data payload lands
+        self.node_warnings: list = []  # [category, text] the node's kernels said, for the program at this request's end
         self.token = token
         self.connect_timeout = connect_timeout
         self.recovery = Recovery.from_env(self)
@@ -276,7 +280,8 @@ class Runtime:
             options["durable"] = self.recovery.grace
         if resume is not None:
             options["resume"] = resume
-        return Hello(client_version=__version__, token=token, capabilities=["sync-ops", "resume"], options=options)
+        return Hello(client_version=__version__, token=token, capabilities=["sync-ops", "resume", "warnings"],
+                     options=options)
 
     def close(self) -> None:
         with self.lock:
@@ -417,7 +422,10 @@ class Runtime:
                 continue
             cls = type(event)
             if cls is Notice:
-                self.recovery.notice = event
+                if event.kind == "warnings":
+                    self._keep_node_warnings(event.data)
+                else:
+                    self.recovery.notice = event
                 continue
             awaiting = self._awaiting
             if awaiting is not None:
@@ -493,9 +501,29 @@ class Runtime:
         finally:
             self._awaiting = None
         if type(reply) is Error:
+            if self.node_warnings:  # (said before the failure, as a local run says them)
+                self.say_node_warnings()
             raise self._failed(reply)
         self.recovery.after_request()
         return reply
+
+    def _keep_node_warnings(self, data) -> None:
+        said = data.get("warnings") if isinstance(data, dict) else None
+        if isinstance(said, list):
+            self.node_warnings.extend(item for item in said if isinstance(item, list) and len(item) == 2)
+        dropped = data.get("dropped") if isinstance(data, dict) else 0
+        if isinstance(dropped, int) and dropped > 0:  # (it may have been the client's own, said already)
+            log.info("the node's kernels gave %d more different warnings since the last sync point than it keeps",
+                     dropped)
+
+    def say_node_warnings(self) -> None:
+        """Warn the program of what the node's kernels said, at the line that waited for them
+        (a local run warns at the op's own line; a streamed op's warning comes with its reply).
+        Called where nothing is left half done if a filter makes a warning an error: after a
+        sync or a read, and after a reply's tensors are the program's (``device._call_sync``)."""
+        from .checks import say_node_warnings
+        said, self.node_warnings = self.node_warnings, []
+        say_node_warnings(said)
 
     def _failed(self, error: Error) -> Exception:
         """The exception for a command the node failed. What ``mirror`` holds for queued ops is
@@ -625,6 +653,8 @@ class Runtime:
         with self.lock:
             self._collect_garbage()
             self.request(Sync(seq=self.next_seq()))
+            if self.node_warnings:
+                self.say_node_warnings()
 
     def call_sync(self, name: str, args, kwargs):
         with self.lock:
@@ -813,6 +843,8 @@ class Runtime:
             out = memoryview(bytearray(nbytes) if into is None else into).cast("B")
             if nbytes == 0:
                 self.request(Sync(seq=self.next_seq()))
+                if self.node_warnings:
+                    self.say_node_warnings()
                 return out
             self.read_many([(storage_id, byte_offset, nbytes, out)])
             return out
@@ -823,6 +855,8 @@ class Runtime:
         with self.lock:
             self._check_alive()
             error = self._read_many(reads)
+            if self.node_warnings:
+                self.say_node_warnings()
             if error is not None:
                 raise self._failed(error)
             self.recovery.after_request()

@@ -6,11 +6,15 @@
 #include <Python.h>
 
 #include <c10/core/TensorImpl.h>
+#include <c10/util/Exception.h>
 
 #include "../_native_common.h"
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <variant>
+#include <vector>
 
 namespace {
 
@@ -568,6 +572,70 @@ PyObject* signature(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return tuple;
 }
 
+// ------------------------------------------------------------------ warnings
+
+// A kernel's warning (TORCH_WARN) on a session's thread, kept for its client. An op called as
+// the node calls it (torch.ops, or the native loop with the GIL released) has no Python warning
+// handler around it: c10 hands the warning to the thread's handler, whose default prints it to
+// the node's stderr, where the program that caused it never sees it. Kept as PyTorch's Python
+// handler words it, so the client's warning reads as a local run's. At most kMaxKept between two
+// replies (a stream of ops that each warn must not grow it without bound; the node's meta pass
+// before a kernel is quiet: quiet_warnings).
+constexpr size_t kMaxKept = 64;
+
+struct KeptWarnings final : c10::WarningHandler {
+  std::vector<std::pair<bool, std::string>> kept;  // (a DeprecationWarning, text)
+  size_t dropped = 0;
+
+  void process(const c10::Warning& warning) override {
+    if (kept.size() >= kMaxKept) {
+      ++dropped;
+      return;
+    }
+    std::string text = warning.msg();
+    if (!warning.verbatim()) {
+      const auto& where = warning.source_location();
+      text += " (Triggered internally at ";
+      text += where.file;
+      text += ":";
+      text += std::to_string(where.line);
+      text += ".)";
+    }
+    kept.emplace_back(std::holds_alternative<c10::DeprecationWarning>(warning.type()), std::move(text));
+  }
+};
+
+thread_local KeptWarnings kept_warnings;
+
+// keep_warnings(): this thread's kernel warnings are kept for take_warnings() from now on.
+PyObject* keep_warnings(PyObject*, PyObject*) {
+  c10::WarningUtils::set_warning_handler(&kept_warnings);
+  Py_RETURN_NONE;
+}
+
+// take_warnings() -> None, or ([(is_deprecation, text), ...], number dropped): what this thread's
+// kernels said since the last call.
+PyObject* take_warnings(PyObject*, PyObject*) {
+  auto& kept = kept_warnings.kept;
+  if (kept.empty() && kept_warnings.dropped == 0) Py_RETURN_NONE;
+  PyObject* items = PyList_New(static_cast<Py_ssize_t>(kept.size()));
+  if (items == nullptr) return nullptr;
+  for (size_t i = 0; i < kept.size(); ++i) {
+    PyObject* text = PyUnicode_DecodeUTF8(kept[i].second.data(), static_cast<Py_ssize_t>(kept[i].second.size()),
+                                          "replace");
+    PyObject* item = text == nullptr ? nullptr : Py_BuildValue("(ON)", kept[i].first ? Py_True : Py_False, text);
+    if (item == nullptr) {
+      Py_DECREF(items);
+      return nullptr;
+    }
+    PyList_SET_ITEM(items, static_cast<Py_ssize_t>(i), item);
+  }
+  PyObject* taken = Py_BuildValue("(Nn)", items, static_cast<Py_ssize_t>(kept_warnings.dropped));
+  kept.clear();
+  kept_warnings.dropped = 0;
+  return taken;
+}
+
 // ------------------------------------------------------------------ set-up
 
 // configure(torch.Tensor, EXT_TENSOR, {scalar type: (wire code, dtype)}, _LIST, _KWARGS, NODE_ID_BASE, VIEW_CACHE_MAX)
@@ -606,6 +674,11 @@ PyMethodDef methods[] = {
     {"signature", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(signature)), METH_FASTCALL,
      "The guard's meta-cost cache key of an op's arguments."},
     {"scalar_type", gpuwire_common::scalar_type, METH_O, "The c10::ScalarType number of a tensor's dtype."},
+    {"quiet_warnings", gpuwire_common::quiet_warnings, METH_O,
+     "quiet_warnings(True) ... quiet_warnings(False): this thread's c10 warnings are dropped in between."},
+    {"keep_warnings", keep_warnings, METH_NOARGS, "Keep this thread's kernel warnings for take_warnings()."},
+    {"take_warnings", take_warnings, METH_NOARGS,
+     "None, or ([(is_deprecation, text), ...], number dropped): this thread's kernel warnings since the last call."},
     {nullptr, nullptr, 0, nullptr},
 };
 

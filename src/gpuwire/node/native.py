@@ -68,6 +68,7 @@ def install() -> bool:
     def setup(loaded) -> None:
         loaded.configure(torch.Tensor, codec.EXT_TENSOR, dtype_table(loaded.scalar_type), session._LIST,
                          session._KWARGS, session.NODE_ID_BASE, session.VIEW_CACHE_MAX)
+        session._QUIET_WARNINGS[0] = loaded.quiet_warnings
 
     from . import loop
     loop_build = loop.build_in_background()  # (side by side with this one: a first start waits once)

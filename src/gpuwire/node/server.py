@@ -37,6 +37,14 @@ log = logging.getLogger("gpuwire.node")
 RECV_BYTES = 1 << 20
 
 
+def warnings_notice(kept: list, dropped: int) -> Notice:
+    """What a session's kernels warned since its last reply (``native.take_warnings``: the first
+    64, and how many more it did not keep), for its client to warn its program of."""
+    return Notice(kind="warnings", data={
+        "warnings": [["DeprecationWarning" if is_deprecation else "UserWarning", text] for is_deprecation, text in kept],
+        "dropped": dropped})
+
+
 def _keepalive(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
@@ -244,6 +252,10 @@ class NodeServer:
             resumed = resume is not None
             if not resumed:
                 self._configure(session, hello, options)
+            # (old clients take every Notice for a drain notice: only those that asked get warnings)
+            session.forward_warnings = "warnings" in (hello.capabilities or ()) and node_native.module is not None
+            if session.forward_warnings:
+                node_native.module.keep_warnings()  # (this thread runs the session's kernels)
             session.peer = peer
             session.parked_until = None
             self._sockets[session.id] = sock
@@ -253,7 +265,7 @@ class NodeServer:
             if resumed:
                 conn.continue_decoding_from(session.peer_op_names)
                 session.replay_floor = session.applied_seq
-            welcome = Welcome(server_version=__version__, capabilities=["sync-ops", "resume"],
+            welcome = Welcome(server_version=__version__, capabilities=["sync-ops", "resume", "warnings"],
                               session_id=session.id, device=self.backend.describe(),
                               limits={**self.limits.as_dict(), "memory_budget": session.memory_budget,
                                       "idle_timeout": self.idle_timeout},
@@ -549,6 +561,7 @@ class NodeServer:
         frame_timeout = self.frame_timeout
         timeout_now = sock.gettimeout()
         recent = session.recent_replies
+        take_warnings = node_native.module.take_warnings if session.forward_warnings else None
         # set before this loop and by no one while it runs (a take-over waits for it to end)
         replay_floor = session.replay_floor
         starved = True
@@ -606,6 +619,10 @@ class NodeServer:
                     if reply is not None:
                         if session.drain_notice is not None:
                             replies.extend(conn.send_parts(Notice(kind="drain", data=session.drain_notice)))
+                        if take_warnings is not None:
+                            said = take_warnings()
+                            if said is not None:
+                                replies.extend(conn.send_parts(warnings_notice(*said)))
                         if type(reply) is not Data:
                             recent.append(reply)
                         replies.extend(conn.send_parts(reply))

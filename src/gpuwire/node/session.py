@@ -175,6 +175,7 @@ class Session:
         self.peer_op_names: list[str] = []
         self.migrate_hook = None
         self.drain_notice: dict | None = None
+        self.forward_warnings = False  # its client takes its kernels' warnings (Notice "warnings")
         self.created = time.monotonic()
         self.attached = threading.Event()  # a connection serves this session now
         self.attached.set()
@@ -1309,6 +1310,9 @@ def _meta_cost(fn, args, kwargs, strided: bool = True) -> tuple:
     if kwargs.get("pin_memory"):
         kwargs["pin_memory"] = False
     before = [(m.shape, m.untyped_storage().nbytes()) for m in made]
+    quiet = _QUIET_WARNINGS[0]
+    if quiet is not None:  # (the kernel that runs next says its warnings to the client)
+        quiet(True)
     try:
         result = fn(*args, **kwargs)
         fresh, grown, resized = _measure(made, before, result)
@@ -1317,6 +1321,13 @@ def _meta_cost(fn, args, kwargs, strided: bool = True) -> tuple:
         return fresh, grown, resized, widest
     except Exception:  # noqa: BLE001 - no meta kernel, data-dependent sizes, invalid arguments
         return _NO_ANSWER, 0, None, widest
+    finally:
+        if quiet is not None:
+            quiet(False)
+
+
+# the node helpers' ``quiet_warnings`` once they are installed (``node/native.py``), else None
+_QUIET_WARNINGS: list = [None]
 
 
 def _dense_bytes(t) -> int:

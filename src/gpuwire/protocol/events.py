@@ -237,7 +237,10 @@ class SyncDone(Event):
 @dataclass
 class Notice(Event):
     """Node → client, unsolicited, just before a reply: ``kind`` "drain" asks the client to move
-    its session elsewhere at this sync point (``data`` says why and by when)."""
+    its session elsewhere at this sync point (``data`` says why and by when); ``kind``
+    "warnings", sent only to clients whose Hello lists the "warnings" capability, carries what
+    the session's kernels warned since its last reply (``data``: {"warnings": [[category, text],
+    ...], "dropped": number not kept}) for the client to warn its program of."""
 
     code: ClassVar[int] = 34
     kind: str = ""
