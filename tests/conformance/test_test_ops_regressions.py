@@ -925,3 +925,35 @@ def test_frexp_into_outs_of_the_wrong_dtypes_raises_at_the_call(device):
                     said.append(str(exc))
             assert said[0] == said[1], (dtype, mantissa_dtype, exponent_dtype, said)
     assert torch.equal(torch.ones(2, device=device).cpu(), torch.ones(2))
+
+
+def test_integer_modulo_by_zero_gives_the_bit_pattern_a_gpu_gives(device):
+    """PyTorch's test_binary_ufuncs.py (test_fmod_remainder_by_zero_integral): on a GPU, integer
+    ``fmod``/``remainder`` by zero leave all ones (int64: all ones for a negative dividend, the low
+    32 bits for the others) where the CPU kernel raises "ZeroDivisionError"; a CPU node gives the
+    GPU's answer, in every form of the op, and the CPU's wherever the divisor is not zero."""
+    from torch.testing import make_tensor
+
+    for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64):
+        x_cpu = make_tensor((6, 7), device="cpu", dtype=dtype, low=-9, high=9)
+        divisor_cpu = make_tensor((6, 7), device="cpu", dtype=dtype, low=1, high=9)
+        divisor_cpu[::2] = 0
+        x, divisor = x_cpu.to(device), divisor_cpu.to(device)
+        zero = divisor_cpu == 0
+        if dtype == torch.int64:
+            pattern = torch.where(x_cpu >= 0, 4294967295, -1)
+        else:
+            pattern = torch.full_like(x_cpu, 255 if dtype == torch.uint8 else -1)
+        for fn in (torch.fmod, torch.remainder):
+            expected = torch.where(zero, pattern, fn(x_cpu, divisor_cpu.masked_fill(zero, 1)))
+            out = torch.empty_like(x)
+            in_place = x.clone()
+            getattr(in_place, fn.__name__ + "_")(divisor)
+            for form, result in (("functional", fn(x, divisor)), ("out=", fn(x, divisor, out=out)),
+                                 ("in place", in_place)):
+                assert torch.equal(result.cpu(), expected), (dtype, fn.__name__, form)
+            everywhere = fn(x, 0).cpu()
+            assert torch.equal(everywhere, pattern), (dtype, fn.__name__, "by the number 0")
+            assert torch.equal(fn(x, 3).cpu(), fn(x_cpu, 3)), (dtype, fn.__name__)
+    floats = torch.tensor([1.5, -2.0, 3.0])
+    assert torch.equal(torch.fmod(floats.to(device), 0).cpu().isnan(), torch.fmod(floats, 0).isnan())

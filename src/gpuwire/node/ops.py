@@ -304,6 +304,36 @@ def _histc_like_cuda(self, bins=100, min=0, max=0, *, out=None):
     return out
 
 
+def _modulo_by_zero_like_cuda(op):
+    """``fmod``/``remainder`` of integers by zero on a CPU node, as CUDA gives them: the CPU kernel
+    raises "ZeroDivisionError" where CUDA's leaves a bit pattern (all ones; for int64, all ones
+    for a negative dividend and the low 32 bits for the others), which programs and PyTorch's own
+    tests written for a GPU take. Any other call is the op's own, at the cost of one comparison
+    of an integer divisor with zero."""
+    def kernel(*args, **kwargs):
+        dividend, divisor = args[0], args[1]
+        tensors = [a for a in (dividend, divisor) if isinstance(a, torch.Tensor)]
+        if not tensors or tensors[0].device.type != "cpu":
+            return op(*args, **kwargs)
+        dtype = torch.result_type(dividend, divisor)
+        if dtype.is_floating_point or dtype.is_complex or dtype is torch.bool:
+            return op(*args, **kwargs)
+        zero = divisor == 0
+        if not (bool(zero.any()) if isinstance(zero, torch.Tensor) else zero):
+            return op(*args, **kwargs)
+        before = dividend.clone() if isinstance(dividend, torch.Tensor) else dividend  # (in place, it is overwritten)
+        safe = divisor.masked_fill(zero, 1) if isinstance(divisor, torch.Tensor) else 1
+        result = op(dividend, safe, *args[2:], **kwargs)
+        if dtype == torch.int64:
+            pattern = torch.where(torch.as_tensor(before) >= 0, 4294967295, -1)
+        else:
+            pattern = torch.tensor(-1).to(dtype) if dtype.is_signed else torch.tensor(torch.iinfo(dtype).max, dtype=dtype)
+        zero = torch.as_tensor(zero)
+        result.copy_(torch.where(zero, pattern.to(result.dtype), result))
+        return result
+    return kernel
+
+
 class _NodeKernel:
     """An aten op with a different kernel on one kind of node (same schema, so the node's
     allocation guard treats it as the op itself; on meta tensors it is the op itself)."""
@@ -419,6 +449,14 @@ _SYNC_BATCH_NORM = {
 CPU_NODE_KERNELS = {
     **{f"aten::{name}": (lambda name=name, kernel=kernel: _NodeKernel(getattr(torch.ops.aten, name).default, kernel))
        for name, kernel in _SYNC_BATCH_NORM.items()},
+    **{f"aten::{name}.{overload}": (lambda name=name, overload=overload: _NodeKernel(
+        getattr(getattr(torch.ops.aten, name), overload),
+        _modulo_by_zero_like_cuda(getattr(getattr(torch.ops.aten, name), overload))))
+       for name, overloads in (("fmod", ("Tensor", "Scalar", "Tensor_out", "Scalar_out")),
+                               ("fmod_", ("Tensor", "Scalar")),
+                               ("remainder", ("Tensor", "Scalar", "Tensor_out", "Scalar_out")),
+                               ("remainder_", ("Tensor", "Scalar")))
+       for overload in overloads},
     "aten::histc": lambda: _NodeKernel(torch.ops.aten.histc.default, _histc_like_cuda),
     "aten::histc.out": lambda: _NodeKernel(torch.ops.aten.histc.out, _histc_like_cuda),
     "aten::_efficientzerotensor": lambda: _NodeKernel(torch.ops.aten._efficientzerotensor.default,
