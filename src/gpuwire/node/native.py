@@ -15,6 +15,10 @@ rest 21 -> ~18 us):
 - ``adopt``: storing a result under the client's id as the kernel made it (``Session._adopt``'s
   usual case, 5.7 us in Python, ~1.3 results an op).
 - ``signature``: the allocation guard's meta-cost cache key (``session._signature``).
+- ``keep_warnings`` / ``take_warnings``: what the kernels of a session's thread warn (c10's
+  ``TORCH_WARN``, which an op called as the node calls it hands to the thread's C++ handler),
+  kept for the session's client (``server.warnings_notice``); ``quiet_warnings`` around the
+  allocation guard's meta pass, which runs an op's checks before its kernel does.
 
 Built by ``gpuwire/_native.py`` when a node starts (a few seconds, once per machine); where it
 cannot be (no compiler), or with ``GPUWIRE_NATIVE=0``, the Python paths run. ``status()``
