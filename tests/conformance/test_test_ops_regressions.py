@@ -957,3 +957,32 @@ def test_integer_modulo_by_zero_gives_the_bit_pattern_a_gpu_gives(device):
             assert torch.equal(fn(x, 3).cpu(), fn(x_cpu, 3)), (dtype, fn.__name__)
     floats = torch.tensor([1.5, -2.0, 3.0])
     assert torch.equal(torch.fmod(floats.to(device), 0).cpu().isnan(), torch.fmod(floats, 0).isnan())
+
+
+def test_subtraction_with_a_bool_operand_raises_at_the_call_every_time(device):
+    """PyTorch's test_binary_ufuncs.py (test_sub_typing): ``1 - mask`` and ``mask - 1`` passed
+    shape inference (its Python meta kernel takes them) and the node refused them at the next
+    sync point. Raised at the call, word for word, on every call (the client's C++ op kernels
+    never cache a refused signature), and other subtractions unchanged."""
+    calls = {
+        "two bools": lambda m, x: m - m,
+        "number minus bool": lambda m, x: 1 - m,
+        "bool minus number": lambda m, x: m - 1,
+        "bool minus True": lambda m, x: m - True,
+        "float minus True": lambda m, x: x - True,
+        "rsub": lambda m, x: torch.rsub(m, 1),
+        "in place": lambda m, x: m.clone().sub_(m),
+        "out=": lambda m, x: torch.sub(m, x, out=torch.empty(3, device=x.device)),
+        "float minus number": lambda m, x: x - 1,
+        "float minus float": lambda m, x: x - x,
+    }
+    for name, call in calls.items():
+        said = []
+        for target in ("cpu", device, device):
+            mask, floats = torch.tensor([True, False, True], device=target), torch.tensor([1.5, 2.0, -1.0], device=target)
+            try:
+                said.append(call(mask, floats).cpu().tolist())
+            except RuntimeError as exc:
+                said.append(str(exc))
+        assert said[0] == said[1] == said[2], (name, said)
+    assert torch.equal(torch.ones(2, device=device).cpu(), torch.ones(2))

@@ -416,6 +416,20 @@ def _frexp_out(args, kwargs) -> None:
                            f"{TYPE_META_NAMES.get(exponent.dtype, exponent.dtype)}")
 
 
+def _sub_of_bool(args, kwargs) -> None:
+    """``sub``'s refusal of a bool operand (ATen ``sub_check``; the Python meta kernel that
+    shape inference runs takes ``mask - 1`` and ``1 - mask``)."""
+    self, other = args[0], _arg(args, kwargs, 1, "other")
+    bools = [isinstance(operand, bool) or (isinstance(operand, torch.Tensor) and operand.dtype is torch.bool)
+             for operand in (self, other)]
+    if all(bools):
+        raise RuntimeError("Subtraction, the `-` operator, with two bool tensors is not supported. Use the `^` or "
+                           "`logical_xor()` operator instead.")
+    if any(bools):
+        raise RuntimeError("Subtraction, the `-` operator, with a bool tensor is not supported. If you are trying to "
+                           "invert a mask, use the `~` or `logical_not()` operator instead.")
+
+
 def _histc(args, kwargs) -> None:
     """``histc``'s range check (ATen's, on the host): with ``min == max`` (the default) the range
     is the data's, read back as both CPU and CUDA read it (one round trip); a range that is not
@@ -641,6 +655,9 @@ def _index_fill(args, kwargs) -> None:
 
 
 MISSED_BY_META = {
+    "aten::sub.Tensor": _sub_of_bool,
+    "aten::sub_.Tensor": _sub_of_bool,
+    "aten::sub.out": _sub_of_bool,
     "aten::_index_put_impl_": _index_put,
     "aten::index_put_": _index_put,
     "aten::index_put": _index_put,
@@ -703,3 +720,8 @@ MISSED_BY_META = {
     "aten::heaviside_": _heaviside,
     "aten::heaviside.out": _heaviside,
 }
+
+# checks that read only what an op's call signature holds (dtypes, shapes; numbers by their kind)
+# of structured ops, whose plans run the check on a signature's first call only
+# (``DirectPlan._learn``): the client's C++ op kernels may serve these ops' later calls
+BY_SIGNATURE = frozenset({"aten::sub.Tensor", "aten::sub_.Tensor"})

@@ -1473,7 +1473,7 @@ def register_kernel(aten_library, name: str, kernel, with_keyset: bool = False) 
     qualified = "aten::" + name
     kinds = None
     if os.environ.get("GPUWIRE_TRACE", "") in ("", "0") and qualified not in mirror.OPS and \
-            qualified not in checks.MISSED_BY_META:
+            (qualified not in checks.MISSED_BY_META or qualified in checks.BY_SIGNATURE):
         packet, _, overload = qualified.partition(".")
         try:
             schema = torch._C._get_schema(packet, overload)
