@@ -986,3 +986,26 @@ def test_subtraction_with_a_bool_operand_raises_at_the_call_every_time(device):
                 said.append(str(exc))
         assert said[0] == said[1] == said[2], (name, said)
     assert torch.equal(torch.ones(2, device=device).cpu(), torch.ones(2))
+
+
+def test_pow_into_an_out_partly_overlapping_its_input_raises_on_every_call(device):
+    """PyTorch's test_binary_ufuncs.py (test_pow_scalar_overloads_mem_overlap): a structured op
+    checks overlap in its meta function, which the client runs once per signature; the second
+    call with the same layouts wrote through the overlap. Each call is checked now; the very
+    tensor as input and out stays allowed."""
+    forms = {"tensor ** number": lambda i, o: torch.pow(i, 42, out=o),
+             "number ** tensor": lambda i, o: torch.pow(1.5, i, out=o),
+             "tensor ** tensor": lambda i, o: torch.pow(i, i, out=o)}
+    for name, call in forms.items():
+        said = []
+        for target in ("cpu", device):
+            for _ in range(3):
+                values = torch.linspace(0.5, 1.5, 6, dtype=torch.float64, device=target)
+                try:
+                    call(values[:3], values[1:4])
+                    said.append(values.cpu().tolist())
+                except RuntimeError as exc:
+                    said.append(str(exc))
+                call(values[:3], values[:3])
+                said.append(values.cpu().tolist())
+        assert said[:6] == said[6:], (name, said)
