@@ -1009,3 +1009,28 @@ def test_pow_into_an_out_partly_overlapping_its_input_raises_on_every_call(devic
                 call(values[:3], values[:3])
                 said.append(values.cpu().tolist())
         assert said[:6] == said[6:], (name, said)
+
+
+def test_storage_slices_read_and_write_the_storage_they_lie_in(device):
+    """PyTorch's test_torch.py (test_storage): ``storage[a:b]`` is a storage whose address lies
+    ``a`` bytes into the sliced one; the node knew only whole storages ("storage ... is not
+    allocated in this session"). Read, written through, and viewed as tensors, as on CPU."""
+    import warnings
+
+    def run(target):
+        values = torch.arange(15, dtype=torch.float32, device=target).view(3, 5)
+        storage = values.untyped_storage()
+        said = [storage[4:8][0], list(storage[4:8])]
+        part = torch.tensor([], device=target).set_(storage[4:12])
+        said.append((part + 1).tolist())
+        part.add_(100)
+        storage[8:16].fill_(0)
+        said.append(values.tolist())
+        said.append(torch.tensor([], dtype=torch.uint8, device=target).set_(storage[1:3]).tolist())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (TypedStorage is deprecated)
+            typed = values.storage()
+            said.append([typed[2], typed[14]])
+        return said
+
+    assert run(device) == run("cpu")

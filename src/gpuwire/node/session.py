@@ -247,7 +247,9 @@ class Session:
                     self.decode_error = exc
                 return None
             storage_id = fields[0]
-            self._remember_view(data, (storage_id, self.storages[storage_id], t, fields[2], fields[3], fields[1]))
+            storage = self.storages.get(storage_id)
+            if storage is not None:  # (a storage slice's view is made again each time: ``_inside``)
+                self._remember_view(data, (storage_id, storage, t, fields[2], fields[3], fields[1]))
             return t
         if code == codec.EXT_DTYPE:
             if len(data) != 1:
@@ -302,13 +304,27 @@ class Session:
             raise codec.DecodeError(f"dtype code {code} is not supported by this node")
         return dt
 
+    def _inside(self, address: int, offset: int, dtype: torch.dtype) -> tuple:
+        """The storage a storage slice's address lies in, and the view's offset in it: a client's
+        ``UntypedStorage[a:b]`` is a storage whose address is ``a`` bytes into another's (client
+        storage ids are addresses, and ranges of live ones do not overlap). Looked up only where
+        an id is no storage's own."""
+        for storage_id, storage in self.storages.items():
+            delta = address - storage_id
+            if 0 < delta < storage.nbytes():
+                if delta % dtype.itemsize:
+                    raise SessionError(f"a view of {dtype} at byte {delta} of a storage is not aligned to its "
+                                       "elements")
+                return storage, offset + delta // dtype.itemsize
+        raise SessionError(f"storage {address:#x} is not allocated in this session "
+                           "(freed, never allocated, or owned by another session)")
+
     def view(self, storage_id: int, offset: int, sizes: tuple, strides: tuple, dtype_code: int, flags: int = 0):
         """A node tensor for a client descriptor, after checking it stays inside the storage."""
         storage = self.storages.get(storage_id)
-        if storage is None:
-            raise SessionError(f"storage {storage_id:#x} is not allocated in this session "
-                               "(freed, never allocated, or owned by another session)")
         dtype = self._dtype(dtype_code)
+        if storage is None:
+            storage, offset = self._inside(storage_id, offset, dtype)
         # (C builtins over the tuples: this runs for every view a client makes of a result)
         if sizes:
             if len(strides) != len(sizes):
