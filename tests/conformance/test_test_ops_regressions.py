@@ -1034,3 +1034,26 @@ def test_storage_slices_read_and_write_the_storage_they_lie_in(device):
         return said
 
     assert run(device) == run("cpu")
+
+
+def test_new_memory_under_deterministic_algorithms_is_nan_or_the_largest_value(device):
+    """PyTorch's test_torch.py (test_deterministic_empty, test_deterministic_resize): under
+    ``torch.use_deterministic_algorithms(True)`` ATen fills new memory (``empty``'s, the part a
+    ``resize_`` adds) with NaN or the dtype's largest value; a node's fresh memory is zeros."""
+    def made(target, dtype):
+        tensors = [torch.empty(4, 3, device=target, dtype=dtype),
+                   torch.empty_like(torch.zeros(2, 3, device=target, dtype=dtype)),
+                   torch.empty_strided((3, 2), (1, 3), device=target, dtype=dtype),
+                   torch.zeros(2, 3, device=target, dtype=dtype).new_empty((5,))]
+        grown = torch.zeros(3, device=target, dtype=dtype)
+        grown.resize_(2, 4)
+        return [t.cpu().tolist() for t in (*tensors, grown)]
+
+    for dtype in (torch.float32, torch.complex64, torch.int32, torch.uint8, torch.bool):
+        torch.use_deterministic_algorithms(True)
+        try:
+            local, remote = made("cpu", dtype), made(device, dtype)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        assert str(remote) == str(local), dtype  # (str: NaN equals NaN)
+    assert torch.equal(torch.ones(2, device=device).cpu(), torch.ones(2))

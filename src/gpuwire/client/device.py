@@ -1895,6 +1895,20 @@ def _from_result(rt: Runtime, value):
 _LAYOUTS: dict = {}  # (sizes, dtype, memory_format) -> (strides, nbytes)
 
 
+_DETERMINISTIC = torch._C._get_deterministic_algorithms
+_FILL_UNINITIALIZED = torch._C._get_deterministic_fill_uninitialized_memory
+
+
+def _fill_uninitialized(t: torch.Tensor) -> torch.Tensor:
+    """ATen's ``fill_empty_deterministic_``: under ``torch.use_deterministic_algorithms(True)``
+    (with ``torch.utils.deterministic.fill_uninitialized_memory``, its default) new memory is
+    NaN, or the dtype's largest value (True for bool), never what happened to be there; a node's
+    fresh memory is zeros, which a program checking for uninitialized reads would take as data."""
+    if t.is_floating_point() or t.is_complex():
+        return t.fill_(float("nan"))
+    return t.fill_(True if t.dtype is torch.bool else torch.iinfo(t.dtype).max)
+
+
 def _empty_memory_format(op, args, kwargs):
     sizes = tuple(args[0])
     dtype = kwargs.get("dtype") or torch.get_default_dtype()
@@ -1914,6 +1928,8 @@ def _empty_memory_format(op, args, kwargs):
     rt = runtime()
     with rt.lock:
         t = wrap_storage(rt, rt.allocate(nbytes), nbytes, sizes, strides, dtype)
+    if _DETERMINISTIC() and _FILL_UNINITIALIZED():
+        return _fill_uninitialized(t)
     # weak: must not keep the last allocation alive; with the sequence number right after its
     # Alloc, so that a tensor the program made and wrote to since is not taken for C++'s own
     _state.fresh = (weakref.ref(t), rt.seq)
@@ -1930,6 +1946,8 @@ def _empty_strided(op, args, kwargs):
     rt = runtime()
     with rt.lock:
         t = new_empty(rt, sizes, strides, dtype)
+    if _DETERMINISTIC() and _FILL_UNINITIALIZED():
+        return _fill_uninitialized(t)
     # weak: must not keep the last allocation alive; with the sequence number right after its
     # Alloc, so that a tensor the program made and wrote to since is not taken for C++'s own
     _state.fresh = (weakref.ref(t), rt.seq)
@@ -2114,6 +2132,14 @@ def _resize(op, args, kwargs):
                 _set_storage(old, storage, 0, (old_nbytes,), (1,))
                 rt.submit(rt.encode_op("aten::copy_", (grown[:old_nbytes], old), {}, ()))
             storage = grown.untyped_storage()
+        _set_storage(t, storage, offset, sizes, strides)
+        if _DETERMINISTIC() and _FILL_UNINITIALIZED():  # (ATen's ``fill_resize_deterministic_``: the new bytes)
+            itemsize = t.element_size()
+            grown_part = _create_empty((0,), t.dtype)
+            _set_storage(grown_part, storage, old_nbytes // itemsize, (needed // itemsize - old_nbytes // itemsize,),
+                         (1,))
+            _fill_uninitialized(grown_part)
+        return t
     _set_storage(t, storage, offset, sizes, strides)
     return t
 
