@@ -1057,3 +1057,25 @@ def test_new_memory_under_deterministic_algorithms_is_nan_or_the_largest_value(d
             torch.use_deterministic_algorithms(False)
         assert str(remote) == str(local), dtype  # (str: NaN equals NaN)
     assert torch.equal(torch.ones(2, device=device).cpu(), torch.ones(2))
+
+
+def test_an_empty_out_resized_by_add_takes_the_layout_of_its_inputs(device):
+    """PyTorch's test_torch.py (test_strides_propagation): ``torch.add(x, y, out=torch.empty(0))``
+    of a permuted ``x`` gives the permuted layout, as ``torch.add(x, y)`` does. The client found
+    the functional op of ``add.out`` by name (``add.default``, the add of two numbers) and so
+    resized the out contiguous; ``add.Tensor`` is the one whose arguments match."""
+    def layouts(target):
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(2, 3, 4, generator=g).to(target).permute(1, 0, 2)
+        y = torch.randn(4, generator=g).to(target)
+        said = []
+        for op in (torch.add, torch.sub, torch.mul, torch.div, torch.eq, torch.maximum, torch.atan2):
+            for inputs in ((x, x), (x, y), (y, x)):
+                dtype = op(*inputs).dtype
+                out = op(*inputs, out=torch.empty(0, device=target, dtype=dtype))
+                said.append((op.__name__, out.stride(), out.cpu().tolist()))
+        sliced = torch.randn(2, 3, 8, generator=g).to(target)[:, :, ::2].permute(2, 0, 1)
+        said.append(("exp", torch.exp(sliced, out=torch.empty(0, device=target)).stride()))
+        return said
+
+    assert layouts(device) == layouts("cpu")

@@ -89,16 +89,37 @@ def forget_storages(rt, storage_ids) -> None:
 
 def functional_overload(schema):
     """(qualified name, OpOverload) of the functional op an aten out= overload computes
-    (``abs.out`` -> ``abs``, ``add.Scalar_out`` -> ``add.Scalar``), or None."""
+    (``abs.out`` -> ``abs``, ``add.out`` -> ``add.Tensor``, ``add.Scalar_out`` -> ``add.Scalar``),
+    or None."""
+    key = (schema.name, schema.overload_name)
+    found = _FUNCTIONAL.get(key, _FUNCTIONAL)
+    if found is _FUNCTIONAL:
+        found = _FUNCTIONAL[key] = _find_functional(schema)
+    return found
+
+
+_FUNCTIONAL: dict = {}  # (name, out overload) -> functional_overload's answer
+
+
+def _find_functional(schema):
+    """The overload of the same op whose arguments are the out= overload's but its outs: by
+    name first (``X.Y_out`` -> ``X.Y``, ``X.out`` -> ``X``), else any (``add.out`` computes
+    ``add.Tensor``; ``add.default`` is the add of two numbers)."""
     name, overload = schema.name, schema.overload_name
     if not name.startswith("aten::") or not (overload == "out" or overload.endswith("_out")):
         return None
-    base = overload[:-4] if overload.endswith("_out") else ""
-    packet = getattr(torch.ops.aten, name[len("aten::"):])
-    if overload == "all_out":  # (``all.all_out`` / ``any.all_out`` compute ``all`` / ``any``)
-        base = ""
-    functional = getattr(packet, base or "default", None)
-    return (f"{name}.{base}" if base else name, functional) if functional is not None else None
+    packet = getattr(torch.ops.aten, name[len("aten::"):], None)
+    if packet is None:
+        return None
+    named = "default" if overload in ("out", "all_out") else overload[:-4]
+    wanted = [(a.name, str(a.type)) for a in schema.arguments if not a.is_out]
+    for candidate in (named, *(o for o in packet.overloads() if o != named)):
+        functional = getattr(packet, candidate, None)
+        if functional is None or any(a.is_out for a in functional._schema.arguments):
+            continue
+        if [(a.name, str(a.type)) for a in functional._schema.arguments] == wanted:
+            return (name if candidate == "default" else f"{name}.{candidate}"), functional
+    return None
 
 
 def functional_for(schema):
