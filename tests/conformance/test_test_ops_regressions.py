@@ -1079,3 +1079,28 @@ def test_an_empty_out_resized_by_add_takes_the_layout_of_its_inputs(device):
         return said
 
     assert layouts(device) == layouts("cpu")
+
+
+def test_complex32_tensors_warn_that_complex_half_is_experimental_at_the_call(device):
+    """PyTorch's test_torch.py (test_complex_half_experimental_warning): ATen's empty warns of
+    complex32 (once, or every time under ``set_warn_always``); the client makes empty tensors
+    itself and said nothing."""
+    import warnings
+
+    made = {"empty": lambda d: torch.empty(3, dtype=torch.chalf, device=d),
+            "randn": lambda d: torch.randn(3, dtype=torch.chalf, device=d),
+            "empty_like": lambda d: torch.empty_like(torch.empty(2, dtype=torch.chalf, device=d)),
+            "empty_strided": lambda d: torch.empty_strided((2, 2), (1, 2), dtype=torch.chalf, device=d)}
+    always = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)
+    try:
+        for name, make in made.items():
+            said = []
+            for target in ("cpu", device):
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    make(target)
+                said.append(sorted({str(w.message).split(" (Triggered")[0] for w in caught if w.filename == __file__}))
+            assert said[0] == said[1] and said[0], (name, said)
+    finally:
+        torch.set_warn_always(always)

@@ -1909,6 +1909,19 @@ def _fill_uninitialized(t: torch.Tensor) -> torch.Tensor:
     return t.fill_(True if t.dtype is torch.bool else torch.iinfo(t.dtype).max)
 
 
+_COMPLEX_HALF_WARNED = [False]
+
+
+def _warn_complex_half() -> None:
+    """ATen's ``TORCH_WARN_ONCE`` of an empty tensor of complex32 (every time under
+    ``torch.set_warn_always``): the client makes empty tensors itself."""
+    if _COMPLEX_HALF_WARNED[0] and not torch.is_warn_always_enabled():
+        return
+    _COMPLEX_HALF_WARNED[0] = True
+    warnings.warn("ComplexHalf support is experimental and many operators don't support it yet.", UserWarning,
+                  stacklevel=checks.caller_stacklevel())
+
+
 def _empty_memory_format(op, args, kwargs):
     sizes = tuple(args[0])
     dtype = kwargs.get("dtype") or torch.get_default_dtype()
@@ -1925,6 +1938,8 @@ def _empty_memory_format(op, args, kwargs):
         if len(_LAYOUTS) < 65536:
             _LAYOUTS[key] = layout
     strides, nbytes = layout
+    if dtype is torch.complex32:
+        _warn_complex_half()
     rt = runtime()
     with rt.lock:
         t = wrap_storage(rt, rt.allocate(nbytes), nbytes, sizes, strides, dtype)
@@ -1943,6 +1958,8 @@ def _empty_strided(op, args, kwargs):
                            f"({len(strides)})")
     checks.nonnegative_sizes(sizes)
     dtype = kwargs.get("dtype") or (args[2] if len(args) > 2 and args[2] is not None else torch.get_default_dtype())
+    if dtype is torch.complex32:
+        _warn_complex_half()
     rt = runtime()
     with rt.lock:
         t = new_empty(rt, sizes, strides, dtype)
