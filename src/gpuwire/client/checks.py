@@ -257,7 +257,7 @@ def caller_stacklevel() -> int:
 _SAID_BY_THE_CLIENT = re.compile(
     r"An output with one or more elements was resized|The number of elements in the out tensor"
     r"|torch\.searchsorted\(\): [a-z ]+ tensor is non-contiguous|(std|var|var_mean|std_mean)\(\): degrees of freedom"
-    r"|(from|to - 1) is out of bounds \[-\(2\^")
+    r"|(from|to - 1) is out of bounds \[-\(2\^|Use of (index_put_|index_fill_|masked_fill_) on expanded tensors")
 
 
 def say_node_warnings(said: list) -> None:
@@ -460,9 +460,17 @@ def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _dense(t: torch.Tensor) -> bool:
-    # (dense in some memory format; ATen judges any other layout "too hard" and lets it pass)
-    return (t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
-            or (t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)))
+    """ATen's ``is_non_overlapping_and_dense``: the elements fill a block of memory in some
+    order of the dims (a transpose, channels-last ...); ATen judges any other layout "too hard"
+    and lets it pass."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def internal_overlap(t: torch.Tensor) -> bool:
@@ -485,15 +493,52 @@ def _no_overlap(inputs: tuple, outputs: tuple, partial_only: tuple = ()):
             if not isinstance(out, torch.Tensor):
                 continue
             for t, partial in ins:
-                if isinstance(t, torch.Tensor) and overlap(out, t) and not (partial and _same_memory(out, t)):
+                if isinstance(t, torch.Tensor) and overlap(out, t) and not (partial and same_memory(out, t)):
                     raise RuntimeError(OVERLAP_MESSAGE)
     return check
 
 
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _written_in_place(name: str, expanded_warns: bool = False, disjoint: tuple = (), partial_only: tuple = ()):
+    """An in-place op's overlap checks (ATen's, on the host, at the call; the meta kernels of
+    these ops make none): ``self`` must not repeat elements (``assert_no_internal_overlap``; for
+    ops that only warn of an expanded ``self``, the deprecation warning), ``disjoint`` arguments
+    (position, name) must not overlap it at all, ``partial_only`` ones may be the very tensor."""
+    expanded = (f"Use of {name} on expanded tensors is deprecated. Please clone() the tensor before performing "
+                "this operation. This also applies to advanced indexing e.g. tensor[" +
+                ("indices] = tensor" if name == "index_put_" else "mask] = scalar"))
+
+    def check(args, kwargs) -> None:
+        self = args[0]
+        if not isinstance(self, torch.Tensor):
+            return
+        if internal_overlap(self):
+            if not expanded_warns:
+                raise RuntimeError(INTERNAL_OVERLAP_MESSAGE)
+            warnings.warn(expanded, UserWarning, stacklevel=caller_stacklevel())
+        for slots, partial in ((disjoint, False), (partial_only, True)):
+            for index, arg_name in slots:
+                value = _arg(args, kwargs, index, arg_name)
+                for t in (value if isinstance(value, (list, tuple)) else (value,)):
+                    if isinstance(t, torch.Tensor) and overlap(self, t) and not (partial and same_memory(self, t)):
+                        raise RuntimeError(OVERLAP_MESSAGE)
+    return check
+
+
+def _checks(*checks):
+    """Several checks of one op, in order."""
+    def check(args, kwargs) -> None:
+        for each in checks:
+            each(args, kwargs)
+    return check
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """ATen's Full overlap: the same bytes, element for element (a transpose of the same block
+    overlaps it partially)."""
     return a is b or (a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
                       and a.storage_offset() * a.element_size() == b.storage_offset() * b.element_size()
-                      and a.numel() * a.element_size() == b.numel() * b.element_size())
+                      and a.numel() * a.element_size() == b.numel() * b.element_size()
+                      and (a.stride() == b.stride() or a.numel() <= 1))
 
 
 def _heaviside(args, kwargs) -> None:
@@ -654,15 +699,24 @@ def _index_fill(args, kwargs) -> None:
         raise RuntimeError("index_fill_(): Converting complex Scalar to non-complex type is not supported")
 
 
+_INDEX_PUT_IN_PLACE = _checks(_index_put, _written_in_place("index_put_", expanded_warns=True,
+                                                               disjoint=((1, "indices"),), partial_only=((2, "values"),)))
+_INDEX_FILL_IN_PLACE = _checks(_index_fill, _written_in_place("index_fill_", expanded_warns=True, disjoint=((2, "index"),)))
+_MASKED_FILL_IN_PLACE = _written_in_place("masked_fill_", expanded_warns=True, partial_only=((1, "mask"),))
+
 MISSED_BY_META = {
     "aten::sub.Tensor": _sub_of_bool,
     "aten::sub_.Tensor": _sub_of_bool,
     "aten::sub.out": _sub_of_bool,
-    "aten::_index_put_impl_": _index_put,
-    "aten::index_put_": _index_put,
+    "aten::_index_put_impl_": _INDEX_PUT_IN_PLACE,
+    "aten::index_put_": _INDEX_PUT_IN_PLACE,
     "aten::index_put": _index_put,
-    "aten::index_fill_.int_Scalar": _index_fill,
-    "aten::index_fill_.int_Tensor": _index_fill,
+    "aten::index_fill_.int_Scalar": _INDEX_FILL_IN_PLACE,
+    "aten::index_fill_.int_Tensor": _INDEX_FILL_IN_PLACE,
+    "aten::bernoulli_.float": _written_in_place("bernoulli_"),
+    "aten::bernoulli_.Tensor": _written_in_place("bernoulli_", partial_only=((1, "p"),)),
+    "aten::put_": _written_in_place("put_", disjoint=((1, "index"), (2, "source"))),
+    "aten::masked_fill_.Tensor": _MASKED_FILL_IN_PLACE,
     "aten::index_fill.int_Scalar": _index_fill,
     "aten::index_fill.int_Tensor": _index_fill,
     "aten::gelu": _gelu,
@@ -702,8 +756,9 @@ MISSED_BY_META = {
     "aten::random_.to": _random_to,
     "aten::random.from": _random_from,
     "aten::random.to": _random_to,
-    "aten::masked_fill_.Scalar": _masked_fill,
-    "aten::masked_scatter_": _masked_scatter,
+    "aten::masked_fill_.Scalar": _checks(_masked_fill, _MASKED_FILL_IN_PLACE),
+    "aten::masked_scatter_": _checks(_masked_scatter, _written_in_place("masked_scatter_",
+                                                                       partial_only=((1, "mask"), (2, "source")))),
     "aten::complex.out": _complex_out,
     "aten::aminmax.out": _aminmax_out,
     "aten::histc": _histc,

@@ -2077,7 +2077,11 @@ def _copy_from(op, args, kwargs):
     dst_remote = on_device(dst)
     if dst_remote and src.shape != dst.shape:
         checks.broadcast_into(dst.shape, src.shape)
+    if dst_remote and checks.internal_overlap(dst):  # (ATen's TensorIterator refuses it, for any source)
+        raise RuntimeError(checks.INTERNAL_OVERLAP_MESSAGE)
     if src_remote and dst_remote:
+        if storage_id_of(src) == storage_id_of(dst) and checks.overlap(dst, src) and not checks.same_memory(dst, src):
+            raise RuntimeError(checks.OVERLAP_MESSAGE)
         rt = runtime()
         with rt.lock:
             known = None
