@@ -451,9 +451,9 @@ def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     ranges, judged only for dense tensors (else "too hard", and ATen lets it pass)."""
     if a is b:
         return True
-    if not a.numel() or not b.numel() or not _dense(a) or not _dense(b):
-        return False
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False  # (first: the usual answer, and the cheapest)
+    if not a.numel() or not b.numel() or not _dense(a) or not _dense(b):
         return False
     a_start, b_start = a.storage_offset() * a.element_size(), b.storage_offset() * b.element_size()
     return a_start < b_start + b.numel() * b.element_size() and b_start < a_start + a.numel() * a.element_size()
@@ -477,7 +477,8 @@ def internal_overlap(t: torch.Tensor) -> bool:
     """ATen's ``has_internal_overlap`` is YES: a stride of 0 over more than one element (of a
     tensor with elements: an empty one is dense to ATen, whatever its strides; ``(2, 2, 0)`` with
     a stride of 0, an empty batch of matrices, was refused)."""
-    return any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())) and t.numel() > 0
+    strides = t.stride()
+    return 0 in strides and any(stride == 0 and size > 1 for size, stride in zip(t.shape, strides)) and t.numel() > 0
 
 
 def _no_overlap(inputs: tuple, outputs: tuple, partial_only: tuple = ()):
