@@ -134,3 +134,5 @@ def stop_embedded_node() -> None:
     except Exception:  # noqa: BLE001
         process.kill()
         process.wait()
+    if process.stdout is not None:  # (left open, Python warns of it at exit: ResourceWarning)
+        process.stdout.close()
