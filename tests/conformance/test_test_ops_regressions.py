@@ -1159,3 +1159,40 @@ def test_in_place_ops_refuse_overlapping_memory_at_the_call(device):
     for want, got in zip(local, remote):
         assert want == got
     assert torch.equal(torch.ones(2, device=device).cpu(), torch.ones(2))
+
+
+def test_a_nondeterministic_alert_is_raised_at_the_call(device):
+    """PyTorch's test_torch.py (test_nondeterministic_alert_put): under
+    ``torch.use_deterministic_algorithms(True)`` the node's kernel refuses ``put_`` without
+    ``accumulate``; the call was queued (its signature had run before) and the error came at the
+    next sync point. Each op's first call under the mode now has a reply; ``accumulate=True``
+    is deterministic and runs. With ``warn_only`` the alert is a warning the program sees."""
+    import warnings
+
+    def run(target):
+        a = torch.arange(10.0, device=target)
+        indices, values = torch.tensor([0, 0], device=target), torch.tensor([5.0, 1.0], device=target)
+        a.put_(indices, values)  # (the signature, learnt before the mode)
+        said = []
+        torch.use_deterministic_algorithms(True)
+        try:
+            for accumulate in (False, True):
+                try:
+                    a.put_(indices, values, accumulate=accumulate)
+                except RuntimeError as exc:
+                    said.append(str(exc).splitlines()[0])
+                said.append(a.cpu().tolist())  # (outside the try: an error here fails the test)
+        finally:
+            torch.use_deterministic_algorithms(False)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                a.clone().put_(indices, values)
+                a.cpu()
+            said.append([str(w.message).split(" (Triggered")[0] for w in caught])
+        finally:
+            torch.use_deterministic_algorithms(False)
+        return said
+
+    assert run(device) == run("cpu")

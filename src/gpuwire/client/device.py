@@ -522,6 +522,8 @@ class MutatingPlan:
         else:
             try:
                 key = _call_key(args, kwargs, self.checker.by_class, self.checker.by_kind)
+                if _DETERMINISTIC():  # (a signature checked before is checked again under it: ``_dtypes_unproven``)
+                    key = (key, _deterministic_mode())
                 seen = key in self.checked
             except TypeError:  # an unhashable argument: checked every call
                 key, seen = None, False
@@ -758,6 +760,15 @@ _INTEGER_ONLY_OPS = ("aten::bitwise_", "aten::__and__", "aten::__or__", "aten::_
                      "aten::__rshift__", "aten::__iand__", "aten::__ior__", "aten::__ixor__", "aten::__ilshift__",
                      "aten::__irshift__", "aten::gcd", "aten::lcm")
 _PROVEN_DTYPES: set = set()
+_DETERMINISTIC = torch._C._get_deterministic_algorithms
+_FILL_UNINITIALIZED = torch._C._get_deterministic_fill_uninitialized_memory
+
+
+def _deterministic_mode() -> int:
+    """0: ``torch.use_deterministic_algorithms`` off; 1: on with ``warn_only``; 2: on."""
+    if not _DETERMINISTIC():
+        return 0
+    return 1 if torch._C._get_deterministic_algorithms_warn_only() else 2
 # GPUWIRE_CHECK_DTYPES=0 queues first calls too (their dtype errors then come at the next sync point)
 _CHECK_DTYPES = os.environ.get("GPUWIRE_CHECK_DTYPES", "1") not in ("", "0")
 
@@ -777,10 +788,16 @@ def _dtypes_unproven(name: str, args, kwargs) -> bool:
                 if isinstance(v, torch.Tensor):
                     dtypes.append(v.dtype)
                     empty = empty or not v.numel()
+    # under torch.use_deterministic_algorithms(True) a kernel may refuse to run at all (ATen's
+    # nondeterministic alert, raised by the node's kernel; with warn_only, its warning): each
+    # op's first call under it has a reply too, whatever its dtypes, so either comes at the call
+    deterministic = _deterministic_mode()
     if not _CHECK_DTYPES or all(dtype in _EVERY_KERNEL_DTYPES for dtype in dtypes) and not name.startswith(
-            _INTEGER_ONLY_OPS):
+            _INTEGER_ONLY_OPS) and not deterministic:
         return False
-    combination = (name, tuple(dtypes))
+    # (and the alert may depend on a flag: ``put_``'s ``accumulate``)
+    combination = (name, tuple(dtypes), deterministic, deterministic and tuple(
+        value for value in (*args, *kwargs.values()) if isinstance(value, bool)))
     if combination in _PROVEN_DTYPES:
         return False
     # (a call on an empty tensor proves nothing: TensorIterator runs no kernel for it)
@@ -1893,10 +1910,6 @@ def _from_result(rt: Runtime, value):
 
 
 _LAYOUTS: dict = {}  # (sizes, dtype, memory_format) -> (strides, nbytes)
-
-
-_DETERMINISTIC = torch._C._get_deterministic_algorithms
-_FILL_UNINITIALIZED = torch._C._get_deterministic_fill_uninitialized_memory
 
 
 def _fill_uninitialized(t: torch.Tensor) -> torch.Tensor:
