@@ -1107,8 +1107,9 @@ def test_complex32_tensors_warn_that_complex_half_is_experimental_at_the_call(de
 
 
 def test_in_place_ops_refuse_overlapping_memory_at_the_call(device):
-    """PyTorch's test_torch.py (test_*_mem_overlap): ATen refuses, on the host, an in-place op
-    that writes an expanded tensor (``bernoulli_``, ``put_``, ``masked_scatter_``, ``copy_``; warns
+    """PyTorch's test_torch.py (test_*_mem_overlap) and test_nn.py (test_*_inplace_overlap): ATen
+    refuses, on the host, an in-place op that writes an expanded tensor (``bernoulli_``, ``put_``,
+    ``masked_scatter_``, ``copy_``, ``relu_``, ``hardswish_``; ``threshold_`` is allowed; warns
     for ``index_put_``, ``masked_fill_``, ``index_fill_``) or reads an argument that overlaps
     what it writes (a transpose of the same block included); the meta kernels check none of it,
     and the node's error came at the next sync point, failing later lines. Compared with CPU,
@@ -1141,6 +1142,11 @@ def test_in_place_ops_refuse_overlapping_memory_at_the_call(device):
             "copy_ partly overlapping": lambda: y[:4].copy_(y[2:]),
             "copy_ of its transpose": lambda: square.t().copy_(square),
             "copy_ of itself": lambda: square.copy_(square).cpu().tolist(),
+            "hardswish_ expanded": lambda: torch.nn.functional.hardswish(x, inplace=True),
+            "relu_ expanded": lambda: x.relu_(), "hardtanh_ expanded": lambda: torch.nn.functional.hardtanh_(x),
+            "relu6 in place, expanded": lambda: torch.nn.functional.relu6(x, inplace=True),
+            "threshold_ expanded (allowed: idempotent)": lambda: torch.nn.functional.threshold(
+                torch.zeros(1, device=target).expand(6), 0.5, 0.5, inplace=True).cpu().tolist(),
         }
         said = []
         for name, call in calls.items():

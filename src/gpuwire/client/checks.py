@@ -717,6 +717,8 @@ MISSED_BY_META = {
     "aten::bernoulli_.float": _written_in_place("bernoulli_"),
     "aten::bernoulli_.Tensor": _written_in_place("bernoulli_", partial_only=((1, "p"),)),
     "aten::put_": _written_in_place("put_", disjoint=((1, "index"), (2, "source"))),
+    **{f"aten::{name}": _written_in_place(name) for name in ("hardswish_", "relu_", "hardtanh_",
+                                                              "rrelu_with_noise_")},
     "aten::masked_fill_.Tensor": _MASKED_FILL_IN_PLACE,
     "aten::index_fill.int_Scalar": _index_fill,
     "aten::index_fill.int_Tensor": _index_fill,
@@ -781,7 +783,9 @@ MISSED_BY_META = {
     "aten::heaviside.out": _heaviside,
 }
 
-# checks that read only what an op's call signature holds (dtypes, shapes; numbers by their kind)
-# of structured ops, whose plans run the check on a signature's first call only
-# (``DirectPlan._learn``): the client's C++ op kernels may serve these ops' later calls
-BY_SIGNATURE = frozenset({"aten::sub.Tensor", "aten::sub_.Tensor"})
+# checks that read only what an op's call signature holds (dtypes, shapes, strides; numbers by
+# their kind): the client's C++ op kernels may serve these ops' later calls, a signature's first
+# call running the check through the op's plan (``_native_learn``)
+BY_SIGNATURE = frozenset({"aten::sub.Tensor", "aten::sub_.Tensor",
+                          # (an expanded ``self`` is a matter of strides, which a signature holds)
+                          "aten::relu_", "aten::hardtanh_", "aten::hardswish_"})

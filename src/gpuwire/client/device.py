@@ -486,6 +486,12 @@ def _check_written_on_device(op_name: str, slots, args, kwargs) -> None:
                                    f" is written by the op and must be a {DEVICE_TYPE} tensor)")
 
 
+# out= kernels whose TensorIterator does not check memory overlap: writing an element twice
+# gives the same value (``threshold_`` of an expanded tensor is allowed, and its structured
+# in-place call reaches the client as ``threshold.out`` into ``self``)
+_IDEMPOTENT_OUTS = frozenset({"aten::threshold.out"})
+
+
 class MutatingPlan:
     """In-place and out= ops: queue the op; the results are the mutated arguments."""
 
@@ -514,7 +520,7 @@ class MutatingPlan:
         if self.out_args:
             for index, name, kwarg_only in self.out_args:
                 out = _get_arg(args, kwargs, index, name, kwarg_only)
-                if isinstance(out, torch.Tensor) and checks.internal_overlap(out):
+                if isinstance(out, torch.Tensor) and checks.internal_overlap(out) and self.name not in _IDEMPOTENT_OUTS:
                     # (as every ATen out= kernel refuses it; in place, ``fill_`` and others allow it)
                     raise RuntimeError(checks.INTERNAL_OVERLAP_MESSAGE)
             if not self._resize_outs(op, args, kwargs) or _dtypes_unproven(self.name, args, kwargs):
