@@ -253,7 +253,8 @@ class NodeServer:
             if not resumed:
                 self._configure(session, hello, options)
             # (old clients take every Notice for a drain notice: only those that asked get warnings)
-            session.forward_warnings = "warnings" in (hello.capabilities or ()) and node_native.module is not None
+            session.forward_warnings = (isinstance(hello.capabilities, list) and "warnings" in hello.capabilities
+                                        and node_native.module is not None)
             if session.forward_warnings:
                 node_native.module.keep_warnings()  # (this thread runs the session's kernels)
             session.peer = peer
