@@ -1202,3 +1202,29 @@ def test_a_nondeterministic_alert_is_raised_at_the_call(device):
         return said
 
     assert run(device) == run("cpu")
+
+
+def test_lazy_modules_move_to_the_device_before_their_first_forward(device):
+    """PyTorch's test_modules.py (every Lazy* module): ``nn.LazyConv1d(4, 3).to(device)`` made
+    its uninitialized parameters plain Parameters of no elements (moving to gpuwire swaps tensors,
+    and the swap gave them Parameter's class), so the first forward failed ("weight should have
+    at least three dimensions"); before that, ``.to(device)`` itself raised reading their shape.
+    They move as on CPU and CUDA: still uninitialized, on the device, in the dtype asked."""
+    def run(target):
+        torch.manual_seed(0)
+        modules = [torch.nn.LazyConv1d(4, 3), torch.nn.LazyLinear(4), torch.nn.LazyBatchNorm1d()]
+        inputs = [torch.randn(2, 3, 10), torch.randn(2, 5), torch.randn(4, 3)]
+        said = []
+        for module, x in zip(modules, inputs):
+            module.to(target).to(torch.float64)
+            said.append([(type(t).__name__, t.data.device.type, t.data.dtype)
+                         for t in (*module.parameters(), *module.buffers()) if t is not None])
+            out = module(x.to(target, torch.float64))
+            out.sum().backward()
+            said.append((tuple(out.shape), out.dtype, [(type(p).__name__, tuple(p.shape), p.grad is not None)
+                                                      for p in module.parameters()]))
+        return said
+
+    local = run("cpu")
+    assert run(device) == [[(kind, device.type if where == "cpu" else where, dtype) for kind, where, dtype in item]
+                           if isinstance(item, list) else item for item in local]

@@ -2318,6 +2318,7 @@ def _convolution_backward_overrideable(*args):
 
 
 _to_copy_composite = None  # aten's own _to_copy kernel for our key, which ours wraps
+_UNINITIALIZED = torch.nn.parameter.UninitializedTensorMixin
 
 
 def _to_copy(keyset, *args, **kwargs):
@@ -2325,6 +2326,10 @@ def _to_copy(keyset, *args, **kwargs):
     ``pin_memory=True``) makes aten allocate pinned CPU memory through the PrivateUse1 hooks,
     which a Python backend cannot implement ("getPinnedMemoryAllocator"). A download is
     synchronous here anyway: run it as a blocking copy into ordinary memory."""
+    if args and isinstance(args[0], _UNINITIALIZED):
+        # a lazy module's parameter before its first forward (``nn.LazyLinear(4).to(device)``):
+        # its ``shape`` raises by design; what is copied is the empty tensor under it
+        args = (args[0].as_subclass(torch.Tensor), *args[1:])
     device = kwargs.get("device")
     if device is not None and torch.device(device).type == "cpu":
         if kwargs.get("non_blocking") or kwargs.get("pin_memory"):

@@ -75,6 +75,7 @@ def _swapping(method, target_of):
             target = None
         if not _crosses_gpuwire(self, target):
             return method(self, *args, **kwargs)
+        lazy = _hide_uninitialized(self)
         _local.swap = True
         try:
             return method(self, *args, **kwargs)
@@ -91,7 +92,33 @@ def _swapping(method, target_of):
             return method(self, *args, **kwargs)
         finally:
             _local.swap = False
+            _move_uninitialized(lazy, method, args, kwargs)
     return wrapper
+
+
+def _hide_uninitialized(module: torch.nn.Module) -> list:
+    """A lazy module's parameters and buffers before its first forward, taken out of the way of
+    ``module.to(...)``'s swap (which would make each a plain Parameter, an initialized one of no
+    elements: ``nn.LazyLinear(4).to(device)`` then failed at its first forward); moved by
+    ``_move_uninitialized``, keeping their class, as PyTorch's ``set_data`` path keeps it."""
+    hidden = []
+    for submodule in module.modules():
+        for tensors in (submodule._parameters, submodule._buffers):
+            for key, tensor in tensors.items():
+                if isinstance(tensor, torch.nn.parameter.UninitializedTensorMixin):
+                    hidden.append((tensors, key, tensor))
+                    tensors[key] = None  # (``_apply`` skips None; the key keeps its place)
+    return hidden
+
+
+def _move_uninitialized(hidden: list, method, args, kwargs) -> None:
+    for tensors, key, tensor in hidden:
+        tensors[key] = tensor
+    for _, _, tensor in hidden:
+        holder = torch.nn.Module()  # (the same method moves a plain tensor as it moves the module's)
+        holder.register_buffer("moved", tensor.data)
+        method(holder, *args, **kwargs)
+        tensor.data = holder.moved
 
 
 def _target_of_to(*args, **kwargs):
@@ -301,7 +328,9 @@ def _patch_data_assignment() -> None:
                     or not (on_device(self) or on_device(value)):
                 raise
             replacement = value.detach()
-            if isinstance(self, torch.nn.Parameter):
+            if isinstance(self, torch.nn.parameter.UninitializedTensorMixin):  # (a lazy module's: no data yet)
+                replacement = type(self)(requires_grad=self.requires_grad, device=value.device, dtype=value.dtype)
+            elif isinstance(self, torch.nn.Parameter):
                 replacement = type(self)(replacement, requires_grad=self.requires_grad)
             else:
                 replacement.requires_grad_(self.requires_grad)
