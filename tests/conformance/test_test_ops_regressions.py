@@ -1228,3 +1228,33 @@ def test_lazy_modules_move_to_the_device_before_their_first_forward(device):
     local = run("cpu")
     assert run(device) == [[(kind, device.type if where == "cpu" else where, dtype) for kind, where, dtype in item]
                            if isinstance(item, list) else item for item in local]
+
+
+def test_rnn_cells_refuse_wrong_sizes_in_the_kernels_words_and_multilabel_margin_of_one_sample(device):
+    """PyTorch's test_modules.py (test_errors of RNNCell/GRUCell/LSTMCell; MultiLabelMarginLoss):
+    a cell's wrong input size raised "gpuwire cannot compute the output shapes of aten::gru_cell"
+    (the cells' recomputed forward gave up where shape inference did), even with the module's
+    weights still on the host, where the kernel's size check comes first; one sample's
+    ``multilabel_margin_loss`` without reduction is 0-d on CPU, where the meta kernel says (1,),
+    and the node refused the result at the next sync point."""
+    def run(target):
+        said = []
+        for cell, hidden in ((torch.nn.GRUCell, 20), (torch.nn.LSTMCell, 20), (torch.nn.RNNCell, 20)):
+            for module_target in ("cpu", target):
+                module = cell(10, hidden).to(module_target)
+                for x, h in ((torch.randn(3, 11), torch.randn(3, 21)), (torch.randn(3, 10), torch.randn(3, 21))):
+                    try:
+                        module(x.to(target), h.to(target) if cell is not torch.nn.LSTMCell else None)
+                        said.append("ran")
+                    except RuntimeError as exc:
+                        said.append(str(exc).splitlines()[0])
+        x, y = torch.tensor([0.5, -1.0, 2.0, 0.25], requires_grad=True), torch.tensor([3, 0, -1, 1])
+        for reduction in ("none", "mean"):
+            xt = x.detach().to(target).requires_grad_()
+            loss = torch.nn.functional.multilabel_margin_loss(xt, y.to(target), reduction=reduction)
+            loss.sum().backward()
+            said.append((tuple(loss.shape), loss.item(), xt.grad.cpu().tolist()))
+        return said
+
+    local, remote = run("cpu"), run(device)
+    assert [s.replace("gpuwire:0", "cpu") if isinstance(s, str) else s for s in remote] == local

@@ -1776,8 +1776,19 @@ _CPU_DIFFERS_FROM_META = frozenset({
     "aten::_fft_r2c", "aten::_fft_c2r", "aten::_fft_c2c", "aten::_linalg_svd", "aten::linalg_eig",
 })
 
+def _multilabel_margin_cpu_outputs(args, kwargs, result):
+    """``multilabel_margin_loss_forward`` of one sample (a 1-d input) without reduction: CPU's
+    kernel returns a 0-d loss where the meta kernel gives shape (1,)."""
+    output, is_target = result
+    reduction = args[2] if len(args) > 2 else kwargs.get("reduction", 1)
+    if reduction == 0 and args[0].dim() <= 1 and output.dim() == 1:
+        output = output.reshape(())
+    return output, is_target
+
+
 # ops whose CPU kernel's output metadata differs from what fake CPU tensors give
 _CPU_KERNEL_FIXES = {
+    "aten::multilabel_margin_loss_forward": _multilabel_margin_cpu_outputs,
     "aten::_embedding_bag": _embedding_bag_cpu_outputs(forward_only=False),
     "aten::_embedding_bag_forward_only": _embedding_bag_cpu_outputs(forward_only=True),
     **{name: _batch_norm_layout(_norm_outputs_like_cpu(0, (1, 2, 3, 4), (1, 2))) for name in (

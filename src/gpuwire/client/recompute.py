@@ -107,6 +107,12 @@ def differentiable_grads(compute, inputs, needed, grads) -> list:
 def _forward(plan, args, options: dict):
     """(the op's result, the node's generator state from before it) of a whole op."""
     entry = plan.outputs(plan.meta_op, args, {})
+    if entry is None:
+        # shape inference refused the call (``nn.GRUCell(10, 20)`` of an input of 11 features):
+        # its meta kernel says why in the kernel's words (the checks come before any of the
+        # arguments' devices are), else the node runs it with a reply, which raises here
+        plan.meta_op(*_device._to_meta(list(args)))
+        _device._call_sync(plan.meta_op, plan.name, args, {})
     if entry is None or entry is _device.SYNC:
         raise RuntimeError(f"gpuwire cannot compute the output shapes of {plan.name}")
     outs = _device.submit_with_outputs("gpuwire::forward_with_rng", (plan.name, *args), options,
