@@ -593,6 +593,15 @@ def _searchsorted(args, kwargs) -> None:
 _WARNED_ONCE: set = set()
 
 
+def warn_once(message: str) -> None:
+    """ATen's ``TORCH_WARN_ONCE`` said by the client: once per message in this program, or every
+    time under ``torch.set_warn_always``, at the program's line."""
+    if message in _WARNED_ONCE and not torch.is_warn_always_enabled():
+        return
+    _WARNED_ONCE.add(message)
+    warnings.warn(message, UserWarning, stacklevel=caller_stacklevel())
+
+
 def _noncontiguous_search(values, boundaries, sorter=None) -> None:
     """``searchsorted``/``bucketize``'s warnings of a non-contiguous operand (ATen
     ``searchsorted_maybe_trim_input_tensors``, a ``TORCH_WARN_ONCE`` each, or every time under
@@ -603,10 +612,7 @@ def _noncontiguous_search(values, boundaries, sorter=None) -> None:
         message = (f"torch.searchsorted(): {what} tensor is non-contiguous, this will lower the performance due to "
                    f"extra data copy when converting non-contiguous tensor to contiguous, please use contiguous {what} "
                    "tensor if possible. This message will only appear once per program.")
-        if message in _WARNED_ONCE and not torch.is_warn_always_enabled():
-            continue
-        _WARNED_ONCE.add(message)
-        warnings.warn(message, UserWarning, stacklevel=caller_stacklevel())
+        warn_once(message)
 
 
 _INDEX_DTYPES = (torch.int64, torch.int32, torch.uint8, torch.bool)

@@ -1939,17 +1939,17 @@ def _fill_uninitialized(t: torch.Tensor) -> torch.Tensor:
     return t.fill_(True if t.dtype is torch.bool else torch.iinfo(t.dtype).max)
 
 
-_COMPLEX_HALF_WARNED = [False]
-
-
-def _warn_complex_half() -> None:
-    """ATen's ``TORCH_WARN_ONCE`` of an empty tensor of complex32 (every time under
-    ``torch.set_warn_always``): the client makes empty tensors itself."""
-    if _COMPLEX_HALF_WARNED[0] and not torch.is_warn_always_enabled():
-        return
-    _COMPLEX_HALF_WARNED[0] = True
-    warnings.warn("ComplexHalf support is experimental and many operators don't support it yet.", UserWarning,
-                  stacklevel=checks.caller_stacklevel())
+def _made_empty(rt: Runtime, t: torch.Tensor) -> torch.Tensor:
+    """What ATen's ``empty`` does beyond allocating, for an empty tensor the client made: its
+    complex32 warning, its deterministic fill, else the note that ``t`` is fresh."""
+    if t.dtype is torch.complex32:
+        checks.warn_once("ComplexHalf support is experimental and many operators don't support it yet.")
+    if _DETERMINISTIC() and _FILL_UNINITIALIZED():
+        return _fill_uninitialized(t)
+    # weak: must not keep the last allocation alive; with the sequence number right after its
+    # Alloc, so that a tensor the program made and wrote to since is not taken for C++'s own
+    _state.fresh = (weakref.ref(t), rt.seq)
+    return t
 
 
 def _empty_memory_format(op, args, kwargs):
@@ -1968,17 +1968,10 @@ def _empty_memory_format(op, args, kwargs):
         if len(_LAYOUTS) < 65536:
             _LAYOUTS[key] = layout
     strides, nbytes = layout
-    if dtype is torch.complex32:
-        _warn_complex_half()
     rt = runtime()
     with rt.lock:
         t = wrap_storage(rt, rt.allocate(nbytes), nbytes, sizes, strides, dtype)
-    if _DETERMINISTIC() and _FILL_UNINITIALIZED():
-        return _fill_uninitialized(t)
-    # weak: must not keep the last allocation alive; with the sequence number right after its
-    # Alloc, so that a tensor the program made and wrote to since is not taken for C++'s own
-    _state.fresh = (weakref.ref(t), rt.seq)
-    return t
+    return _made_empty(rt, t)
 
 
 def _empty_strided(op, args, kwargs):
@@ -1988,17 +1981,10 @@ def _empty_strided(op, args, kwargs):
                            f"({len(strides)})")
     checks.nonnegative_sizes(sizes)
     dtype = kwargs.get("dtype") or (args[2] if len(args) > 2 and args[2] is not None else torch.get_default_dtype())
-    if dtype is torch.complex32:
-        _warn_complex_half()
     rt = runtime()
     with rt.lock:
         t = new_empty(rt, sizes, strides, dtype)
-    if _DETERMINISTIC() and _FILL_UNINITIALIZED():
-        return _fill_uninitialized(t)
-    # weak: must not keep the last allocation alive; with the sequence number right after its
-    # Alloc, so that a tensor the program made and wrote to since is not taken for C++'s own
-    _state.fresh = (weakref.ref(t), rt.seq)
-    return t
+    return _made_empty(rt, t)
 
 
 def _plain(t: torch.Tensor) -> bool:
