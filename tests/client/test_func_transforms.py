@@ -2,6 +2,8 @@
 meta-learning) through ops the client sends whole with an ``autograd.Function`` (attention,
 dropout), compared with local CPU bit for bit."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -119,3 +121,65 @@ def test_double_backward_through_rnn_layers(device):
     # dropout between layers cannot be redrawn as the forward drew it: refused, not wrong
     with pytest.raises(RuntimeError, match="dropout between its layers is not supported"):
         _rnn_gradient_penalty(device, torch.nn.LSTM, 0.5)
+
+
+def _cell_gradient_penalty(device, module):
+    torch.manual_seed(0)
+    cell = module(4, 5).double().to(device)
+    x = torch.randn(3, 4, dtype=torch.double, generator=torch.Generator().manual_seed(1)).to(device).requires_grad_()
+    out = cell(x)
+    out = out[0] if isinstance(out, tuple) else out
+    (gx,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    gx.square().sum().backward()
+    return [t.detach().cpu() for t in (out, gx, x.grad, cell.weight_hh.grad)]
+
+
+def test_double_backward_through_rnn_cells(device):
+    # an LSTM/GRU cell's composite takes CUDA's fused kernel on any device but the CPU: on a
+    # CPU node the second backward raised "Could not run 'aten::_thnn_fused_lstm_cell' with
+    # arguments from the 'CPU' backend"
+    for module in (torch.nn.LSTMCell, torch.nn.GRUCell, torch.nn.RNNCell):
+        want, got = _cell_gradient_penalty("cpu", module), _cell_gradient_penalty(device, module)
+        assert torch.equal(got[0], want[0]), module
+        for a, b in zip(want[1:], got[1:]):
+            torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+
+
+def _batched_vjp(device, make, shapes):
+    """Input gradients for three output gradients at once through the legacy vmap, as
+    ``gradcheck``'s batched-gradient check (every ``test_modules`` gradcheck) computes them."""
+    from torch._vmap_internals import vmap as legacy_vmap
+    torch.manual_seed(0)
+    fn = make()
+    if isinstance(fn, torch.nn.Module):
+        fn = fn.double().to(device)
+    generator = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(*s, dtype=torch.double, generator=generator).to(device).requires_grad_() for s in shapes]
+    out = fn(*inputs)
+    out = out[0] if isinstance(out, tuple) else out
+    grad_outputs = torch.randn(3, *out.shape, dtype=torch.double, generator=generator).to(device)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Please use `torch.vmap`", FutureWarning)
+        batched = legacy_vmap(lambda g: torch.autograd.grad(out, inputs, g, retain_graph=True))(grad_outputs)
+    one_by_one = [torch.stack(gs) for gs in zip(*(torch.autograd.grad(out, inputs, g, retain_graph=True)
+                                                   for g in grad_outputs))]
+    return [t.cpu() for t in batched], [t.cpu() for t in one_by_one]
+
+
+@pytest.mark.parametrize("case", ["attention", "lstm", "gru", "lstm_cell", "gru_cell", "transformer_layer"])
+def test_batched_gradients_through_ops_sent_whole(device, case):
+    # gradcheck's batched-gradient check vmaps the backward: the whole ops' backward got the
+    # batch's wrapper tensor and raised "Cannot access storage of BatchedTensorImpl"
+    make, shapes = {
+        "attention": (lambda: lambda q, k, v: F.scaled_dot_product_attention(q, k, v), [(2, 3, 4)] * 3),
+        "lstm": (lambda: torch.nn.LSTM(4, 3, num_layers=2), [(5, 2, 4)]),
+        "gru": (lambda: torch.nn.GRU(4, 3), [(5, 2, 4)]),
+        "lstm_cell": (lambda: torch.nn.LSTMCell(4, 3), [(2, 4)]),
+        "gru_cell": (lambda: torch.nn.GRUCell(4, 3), [(2, 4)]),
+        "transformer_layer": (lambda: torch.nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0), [(2, 3, 4)]),
+    }[case]
+    remote_batched, remote_one_by_one = _batched_vjp(device, make, shapes)
+    local_batched, _ = _batched_vjp("cpu", make, shapes)
+    for got, each, want in zip(remote_batched, remote_one_by_one, local_batched):
+        torch.testing.assert_close(got, each, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -43,6 +43,16 @@ def _rng_spec():
     return _device.output_spec((_rng_state_bytes,), (1,), torch.uint8)
 
 
+def batched(tensors) -> bool:
+    """Whether a backward is being vmapped: gradcheck's batched-gradient check and
+    ``torch.autograd.grad(..., is_grads_batched=True)`` hand a backward gradients that wrap a
+    batch of them (no storage of their own to name on the wire). Such a backward takes the
+    op's composite, whose ops the batching rules run."""
+    functorch = torch._C._functorch
+    return any(isinstance(t, torch.Tensor) and (functorch.is_legacy_batchedtensor(t) or functorch.is_batchedtensor(t))
+               for t in tensors)
+
+
 class _Recomputed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan, args, *flat):
@@ -55,7 +65,7 @@ class _Recomputed(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         *flat, rng_state = ctx.saved_tensors
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or batched(grads):
             return _differentiable_backward(ctx, grads, flat)
         args = _rebuild(ctx.args, iter(flat))
         specs = [_device.output_spec(t.shape, _device._contiguous_strides(tuple(t.shape)), t.dtype) for t in flat]
@@ -69,18 +79,46 @@ def _differentiable_backward(ctx, grads, flat):
     recomputation gives gradients without a graph of their own, so the op is recomputed here
     through its composite (the cell arithmetic a CPU run without oneDNN does, each op remote;
     gradients equal a local run's to float rounding). Each input goes through a view of its
-    own, so the gradients are the partial ones. Dropout between layers is refused: the
-    composite's masks are not drawn as the node's forward drew them."""
+    own, so the gradients are the partial ones. A vmapped backward (``batched``) takes this
+    path too. Dropout between layers is refused: the composite's masks are not drawn as the
+    node's forward drew them."""
     args = ctx.args
     names = [a.name for a in ctx.plan.meta_op._schema.arguments]
     if "dropout" in names and "train" in names and args[names.index("train")] and args[names.index("dropout")] > 0:
         raise RuntimeError(
-            f"gpuwire: a double backward (create_graph=True) through {ctx.plan.name} with dropout between its "
-            "layers is not supported: the recomputation cannot draw the forward's dropout masks. Run this "
-            "pass with the RNN's dropout=0 (or in eval mode)")
-    input_grads = differentiable_grads(lambda views: ctx.plan.meta_op.decompose(*_rebuild(args, iter(views))),
+            f"gpuwire: a double backward (create_graph=True) or a vmapped backward (batched gradients) through "
+            f"{ctx.plan.name} with dropout between its layers is not supported: the recomputation cannot draw the "
+            "forward's dropout masks. Run this pass with the RNN's dropout=0 (or in eval mode)")
+    composite = ctx.plan.meta_op.decompose
+    if ctx.plan.name in _CELLS_AS_ON_CPU and _device.runtime().device_info.get("backend") == "cpu":
+        composite = _CELLS_AS_ON_CPU[ctx.plan.name]
+    input_grads = differentiable_grads(lambda views: composite(*_rebuild(args, iter(views))),
                                        flat, ctx.needs_input_grad[2:], grads)
     return (None, None, *input_grads)
+
+
+def _lstm_cell_as_on_cpu(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+    """``lstm_cell``'s arithmetic as ATen's CPU kernel does it. The op's composite takes the
+    CUDA-only fused kernel (``_thnn_fused_lstm_cell``) for any device but the CPU, which a CPU
+    node has not got."""
+    h, c = hx
+    gates = torch.nn.functional.linear(h, w_hh, b_hh) + torch.nn.functional.linear(input, w_ih, b_ih)
+    in_gate, forget_gate, cell_gate, out_gate = gates.chunk(4, 1)
+    cy = forget_gate.sigmoid() * c + in_gate.sigmoid() * cell_gate.tanh()
+    return out_gate.sigmoid() * cy.tanh(), cy
+
+
+def _gru_cell_as_on_cpu(input, hx, w_ih, w_hh, b_ih=None, b_hh=None):
+    """``gru_cell``'s arithmetic as ATen's CPU kernel does it (see ``_lstm_cell_as_on_cpu``)."""
+    input_gates = torch.nn.functional.linear(input, w_ih, b_ih).chunk(3, 1)
+    hidden_gates = torch.nn.functional.linear(hx, w_hh, b_hh).chunk(3, 1)
+    reset_gate = (hidden_gates[0] + input_gates[0]).sigmoid()
+    update_gate = (hidden_gates[1] + input_gates[1]).sigmoid()
+    new_gate = (input_gates[2] + hidden_gates[2] * reset_gate).tanh()
+    return (hx - new_gate) * update_gate + new_gate
+
+
+_CELLS_AS_ON_CPU = {"aten::lstm_cell": _lstm_cell_as_on_cpu, "aten::gru_cell": _gru_cell_as_on_cpu}
 
 
 def differentiable_grads(compute, inputs, needed, grads) -> list:
@@ -91,13 +129,15 @@ def differentiable_grads(compute, inputs, needed, grads) -> list:
     gradient, which autograd then adds again); the views keep the graph to the inputs. Torch-
     function modes are off while ``compute`` runs: under CUDA compatibility the mode's handler
     sent a composite's call back through the dispatcher, to the Function asking, for ever."""
-    views = [t.view_as(t) for t in inputs]
-    with torch._C.DisableTorchFunction():
-        outputs = _flatten(compute(views), [])
+    create_graph = torch.is_grad_enabled()  # (off for a vmapped first-order backward)
+    with torch.enable_grad():
+        views = [t.view_as(t) for t in inputs]
+        with torch._C.DisableTorchFunction():
+            outputs = _flatten(compute(views), [])
     pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
     wanted = [i for i, need in enumerate(needed[:len(views)]) if need]
     found = torch.autograd.grad([o for o, _ in pairs], [views[i] for i in wanted], [g for _, g in pairs],
-                                create_graph=True, allow_unused=True) if pairs and wanted else ()
+                                create_graph=create_graph, allow_unused=True) if pairs and wanted else ()
     result = [None] * len(views)
     for i, g in zip(wanted, found):
         result[i] = g
