@@ -766,6 +766,7 @@ MISSED_BY_META = {
     "aten::random.from": _random_from,
     "aten::random.to": _random_to,
     "aten::masked_fill_.Scalar": _checks(_masked_fill, _MASKED_FILL_IN_PLACE),
+    "aten::masked_fill.Scalar": _masked_fill,
     "aten::masked_scatter_": _checks(_masked_scatter, _written_in_place("masked_scatter_",
                                                                        partial_only=((1, "mask"), (2, "source")))),
     "aten::complex.out": _complex_out,

@@ -549,6 +549,22 @@ class MutatingPlan:
             return None
         return tuple(_get_arg(args, kwargs, *s) if s else None for s in self.sources)
 
+    def served_natively(self, args, kwargs):
+        """() where the client's C++ op kernel may send this in-place call's signature itself
+        from now on (nothing fresh to declare: the op writes its first argument), else None.
+        What a later call does here is the same: the signature was checked, the op is queued
+        and the written tensor's mirrored values dropped (the C++ kernel's ``forget``). Not for
+        out= calls (resized and checked every call), number arguments sent as tensors, or under
+        deterministic mode (its key holds the mode)."""
+        if self.out_args or self.checked is None or _DETERMINISTIC() or \
+                self.numbers and _numbers_in(self.numbers, args, kwargs):
+            return None
+        try:
+            key = _call_key(args, kwargs, self.checker.by_class, self.checker.by_kind)
+        except TypeError:
+            return None
+        return () if key in self.checked else None
+
     def _check_inplace(self, op, key, args, kwargs) -> bool:
         """First call of an in-place op with this argument signature: does its meta kernel
         accept it? An in-place op has no fresh output whose metadata must be inferred, so
@@ -1503,15 +1519,33 @@ def register_kernel(aten_library, name: str, kernel, with_keyset: bool = False) 
         except RuntimeError:
             schema = None
         kinds = _argument_kinds(schema) if schema is not None else None
+        if kinds is None and schema is not None and _in_place_on_first(schema):
+            # (``relu_``, ``hardtanh_``: in-place ops that are not structured, whose MutatingPlan
+            # checks a signature once; ``MutatingPlan.served_natively``)
+            kinds, results = _argument_kinds(schema, inplace=True), 0
+        else:
+            results = len(schema.returns) if schema is not None else 0
     if kinds is None:
         aten_library.impl(name, kernel, "PrivateUse1", with_keyset=with_keyset)
         return
     if _op_library is None:
         _op_library = torch.library.Library("aten", "IMPL")
     numbers_as_numbers = torch._C._should_allow_numbers_as_tensors(packet.split("::")[-1])
-    _NATIVE_OPS.append((name, qualified, _KernelEntry(kernel, with_keyset, qualified), kinds, len(schema.returns),
+    _NATIVE_OPS.append((name, qualified, _KernelEntry(kernel, with_keyset, qualified), kinds, results,
                         numbers_as_numbers, False, True))
     _op_library.impl(name, kernel, "PrivateUse1", with_keyset=with_keyset)
+
+
+def _in_place_on_first(schema) -> bool:
+    """Whether ``schema`` writes its first argument alone and returns it (``relu_(Tensor(a!)
+    self) -> Tensor(a!)``)."""
+    arguments, returns = schema.arguments, schema.returns
+    if len(returns) != 1 or not arguments or returns[0].alias_info is None or arguments[0].alias_info is None:
+        return False
+    written = arguments[0].alias_info
+    return (written.is_write and returns[0].alias_info.is_write
+            and returns[0].alias_info.before_set == written.before_set
+            and not any(a.alias_info is not None for a in arguments[1:]))
 
 
 def _fresh_in_order(template, count: int) -> bool:
@@ -1527,6 +1561,8 @@ def _native_learn(plan, args, kwargs):
         if plan.qualified == "aten::_to_copy":
             return result, _to_copy_specs(args, kwargs)
         functional = _PLANS.get(plan.op._op)
+        if type(functional) is MutatingPlan:
+            return result, functional.served_natively(args, kwargs)
         if type(functional) is not FunctionalPlan or functional.numbers and _numbers_in(functional.numbers, args, kwargs):
             return result, None
         try:
