@@ -225,6 +225,10 @@ OP_CASES = [
     ("relu6 in place", lambda x, y: torch.nn.functional.relu6(x * 8, inplace=True)),
     ("zero_", lambda x, y: (x[1:3].zero_(), x)[1] + y), ("fill_", lambda x, y: (x[:, 1].fill_(2.5), x)[1]),
     ("fill_ int", lambda x, y: (x * 4).long().fill_(-7)),
+    # composites sent whole (fused.COMPOSITES_SENT_WHOLE), a FunctionalPlan each
+    ("masked_fill", lambda x, y: x.masked_fill(y > 0, float("-inf"))), ("F.pad", lambda x, y: torch.nn.functional.pad(x, (1, 2))),
+    ("logsumexp", lambda x, y: x.logsumexp(1)), ("repeat", lambda x, y: x.t().repeat(2, 1)),
+    ("bce with logits", lambda x, y: torch.nn.functional.binary_cross_entropy_with_logits(x, y.sigmoid())),
     # a Tensor[] argument
     ("cat", lambda x, y: torch.cat([x, y, x[:1]])), ("cat dim 1, strided", lambda x, y: torch.cat([x.t(), y.t()[:, 1:]], 1)),
     ("cat promotes", lambda x, y: torch.cat([x, y.double()])), ("stack", lambda x, y: torch.stack([x, y], -1)),
@@ -325,6 +329,20 @@ def test_an_in_place_op_that_is_not_structured_is_checked_once_then_sent_from_cp
     finally:
         native.module.configure_ops(client_device._native_learn, client_device._native_submit,
                                     client_device._native_submit_many, wire.codec.EXT_TENSOR, client_device._native_tables())
+
+
+@needs_a_compiler
+def test_masked_fill_checks_each_new_value_against_the_dtype_on_the_cpp_path(device):
+    # (served by C++ once a signature is learned: its C++ key holds the value, so a new value is
+    # checked by the plan first, as ATen checks it on the host)
+    assert native.install()
+    x = torch.arange(20, dtype=torch.uint8, device=device).view(4, 5)
+    mask = x > 9
+    for _ in range(3):
+        assert x.masked_fill(mask, 3).cpu().tolist() == torch.arange(20, dtype=torch.uint8).view(4, 5).masked_fill(
+            mask.cpu(), 3).tolist()
+    with pytest.raises(RuntimeError, match="value cannot be converted to type uint8_t without overflow"):
+        x.masked_fill(mask, 256)
 
 
 @needs_a_compiler

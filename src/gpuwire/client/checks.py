@@ -794,5 +794,7 @@ MISSED_BY_META = {
 # their kind): the client's C++ op kernels may serve these ops' later calls, a signature's first
 # call running the check through the op's plan (``_native_learn``)
 BY_SIGNATURE = frozenset({"aten::sub.Tensor", "aten::sub_.Tensor",
+                          # (its value against the dtype: a FunctionalPlan's C++ key holds Scalars by value)
+                          "aten::masked_fill.Scalar",
                           # (an expanded ``self`` is a matter of strides, which a signature holds)
                           "aten::relu_", "aten::hardtanh_", "aten::hardswish_"})
