@@ -2,6 +2,7 @@
 C++, installed when a program attaches, built once per machine, and the Python paths kept
 wherever they cannot be built."""
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -274,10 +275,7 @@ def test_a_learned_signature_is_sent_from_cpp_and_anything_new_asks_python(devic
             submitted.append(args[0])
         return client_device._native_submit(*args)
 
-    native.module.configure_ops(learn, submit, client_device._native_submit_many, wire.codec.EXT_TENSOR,
-                                client_device._native_tables())
-    native.module.clear_op_caches()  # (earlier tests in this process taught it signatures)
-    try:
+    with _watched_op_kernels(learn, submit):
         x = torch.randn(3, 4, device=device)
         for _ in range(4):
             x * 2.0
@@ -290,6 +288,18 @@ def test_a_learned_signature_is_sent_from_cpp_and_anything_new_asks_python(devic
             x * torch.randn(5, 4, device=device)  # (a new signature: the composite's own error)
         with pytest.raises(RuntimeError, match="same device|cpu"):
             x * torch.ones(3, 4)  # (a host tensor: the Python path's refusal, as on CUDA)
+
+
+@contextlib.contextmanager
+def _watched_op_kernels(learn, submit=None):
+    """The native op kernels with ``learn`` (and ``submit``) in place of the runtime's hooks,
+    starting with no signature learned (earlier tests in this process taught it some)."""
+    from gpuwire.client import device as client_device
+    native.module.configure_ops(learn, submit or client_device._native_submit, client_device._native_submit_many,
+                                wire.codec.EXT_TENSOR, client_device._native_tables())
+    native.module.clear_op_caches()
+    try:
+        yield
     finally:
         native.module.configure_ops(client_device._native_learn, client_device._native_submit,
                                     client_device._native_submit_many, wire.codec.EXT_TENSOR, client_device._native_tables())
@@ -309,10 +319,7 @@ def test_an_in_place_op_that_is_not_structured_is_checked_once_then_sent_from_cp
             learned.append(answer[1])
         return answer
 
-    native.module.configure_ops(learn, client_device._native_submit, client_device._native_submit_many,
-                                wire.codec.EXT_TENSOR, client_device._native_tables())
-    native.module.clear_op_caches()
-    try:
+    with _watched_op_kernels(learn):
         x = torch.randn(3, 4, device=device)
         for _ in range(4):
             x.relu_()
@@ -326,9 +333,6 @@ def test_an_in_place_op_that_is_not_structured_is_checked_once_then_sent_from_cp
         values.relu_()
         values.relu_()
         assert values.sum().item() == 5 and values.tolist() == [3, 0, 2]  # (the C++ path dropped them)
-    finally:
-        native.module.configure_ops(client_device._native_learn, client_device._native_submit,
-                                    client_device._native_submit_many, wire.codec.EXT_TENSOR, client_device._native_tables())
 
 
 @needs_a_compiler
