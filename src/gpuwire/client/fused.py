@@ -410,8 +410,7 @@ def register(aten_library: torch.library.Library) -> None:
         op = getattr(getattr(torch.ops.aten, packet), overload or "default")
         _device.register_kernel(aten_library, name, _whole(op))
     for name in COMPOSITES_SENT_WHOLE:
-        packet, _, overload = name.partition(".")
-        _device.register_kernel(aten_library, name, _whole(getattr(getattr(torch.ops.aten, packet), overload or "default")))
+        _device.register_kernel(aten_library, name, _whole(_device._aten_op("aten::" + name)))
     for name in STUB_COMPOSITES:
         packet, _, overload = name.partition(".")
         aten_library.impl(name, _whole(getattr(getattr(torch.ops.aten, packet), overload or "default")), "PrivateUse1")
