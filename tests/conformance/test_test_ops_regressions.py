@@ -1258,3 +1258,25 @@ def test_rnn_cells_refuse_wrong_sizes_in_the_kernels_words_and_multilabel_margin
 
     local, remote = run("cpu"), run(device)
     assert [s.replace("gpuwire:0", "cpu") if isinstance(s, str) else s for s in remote] == local
+
+
+def test_ctc_loss_of_empty_log_probs_is_refused_at_the_call(device):
+    """test_nn.py's ``test_ctc_loss_error``: once ``_ctc_loss`` had run with these dtypes, the
+    empty ``log_probs`` refusal (ATen's, on the host) came at the next sync point, where the
+    next test's first read raised it."""
+    def run(target):
+        said = []
+        for t_len in (5, 0):
+            log_probs = torch.randn(t_len, 2, 4, generator=torch.Generator().manual_seed(0)).log_softmax(2).to(target)
+            targets = torch.tensor([[1, 2], [3, 1]]).to(target)
+            lengths = torch.tensor([t_len, t_len]).to(target), torch.tensor([2, 2]).to(target)
+            try:
+                loss = torch.nn.functional.ctc_loss(log_probs, targets, *lengths, reduction="none")
+            except RuntimeError as exc:
+                said.append(str(exc).splitlines()[0])
+                continue
+            said.append(loss.cpu().tolist())  # (a late refusal would raise here, out of the try)
+        return said
+
+    local, remote = run("cpu"), run(device)
+    assert remote == local and local[1] == "log_probs tensor must not be empty"

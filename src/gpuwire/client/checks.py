@@ -430,6 +430,13 @@ def _sub_of_bool(args, kwargs) -> None:
                            "invert a mask, use the `~` or `logical_not()` operator instead.")
 
 
+def _ctc_log_probs(args, kwargs) -> None:
+    """``ctc_loss``'s refusal of empty ``log_probs`` (ATen's, on the host before its kernel; the
+    meta kernel sizes the result without it, so the refusal came at the next sync point)."""
+    if isinstance(args[0], torch.Tensor) and args[0].numel() == 0:
+        raise RuntimeError("log_probs tensor must not be empty")
+
+
 def _histc(args, kwargs) -> None:
     """``histc``'s range check (ATen's, on the host): with ``min == max`` (the default) the range
     is the data's, read back as both CPU and CUDA read it (one round trip); a range that is not
@@ -767,6 +774,8 @@ MISSED_BY_META = {
     "aten::random.to": _random_to,
     "aten::masked_fill_.Scalar": _checks(_masked_fill, _MASKED_FILL_IN_PLACE),
     "aten::masked_fill.Scalar": _masked_fill,
+    "aten::_ctc_loss": _ctc_log_probs,
+    "aten::_ctc_loss.Tensor": _ctc_log_probs,
     "aten::masked_scatter_": _checks(_masked_scatter, _written_in_place("masked_scatter_",
                                                                        partial_only=((1, "mask"), (2, "source")))),
     "aten::complex.out": _complex_out,
@@ -796,5 +805,6 @@ MISSED_BY_META = {
 BY_SIGNATURE = frozenset({"aten::sub.Tensor", "aten::sub_.Tensor",
                           # (its value against the dtype: a FunctionalPlan's C++ key holds Scalars by value)
                           "aten::masked_fill.Scalar",
+                          "aten::_ctc_loss", "aten::_ctc_loss.Tensor",  # (a size)
                           # (an expanded ``self`` is a matter of strides, which a signature holds)
                           "aten::relu_", "aten::hardtanh_", "aten::hardswish_"})
