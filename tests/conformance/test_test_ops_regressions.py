@@ -1280,3 +1280,27 @@ def test_ctc_loss_of_empty_log_probs_is_refused_at_the_call(device):
 
     local, remote = run("cpu"), run(device)
     assert remote == local and local[1] == "log_probs tensor must not be empty"
+
+
+def test_reductions_over_an_empty_dim_are_refused_at_the_call(device):
+    """test_reductions.py's ``test_tensor_compare_ops_empty`` (order-dependent): once the op's
+    dtypes were proven, ``median``/``nanmedian``/``kthvalue``/``mode`` along an empty dim came
+    back refused at the next sync point (their meta kernels size the result; ATen refuses on the
+    host, ``zero_numel_check_dims``)."""
+    def run(target):
+        said = []
+        for name, fn in (("median", lambda x: torch.median(x, dim=1)), ("nanmedian", lambda x: torch.nanmedian(x, dim=1)),
+                         ("kthvalue", lambda x: torch.kthvalue(x, 1, dim=1)), ("logsumexp", lambda x: x.logsumexp(1)),
+                         ("cummax", lambda x: torch.cummax(x, 1))):
+            fn(torch.ones(2, 3).to(target))  # (the op's dtypes proven: later calls are queued)
+            try:
+                result = fn(torch.ones(2, 0).to(target))
+            except IndexError as exc:
+                said.append((name, "IndexError", str(exc).splitlines()[0]))
+                continue
+            values = result[0] if isinstance(result, tuple) else result
+            said.append((name, tuple(values.shape), values.cpu().tolist()))  # (a late refusal raises here)
+        return said
+
+    local, remote = run("cpu"), run(device)
+    assert remote == local and local[0][1] == "IndexError"

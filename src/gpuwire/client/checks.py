@@ -158,6 +158,19 @@ def _reduction_dims(args, kwargs) -> None:
                 seen.add(wrapped)
 
 
+def _nonempty_reduction_dim(label: str, dim_index: int):
+    """ATen's ``zero_numel_check_dims`` for a selection along one dim (``median``, ``kthvalue``,
+    ``mode``): an empty dim has nothing to select, refused on the host before the kernel (the
+    meta kernels size the result instead, so the refusal came at the next sync point)."""
+    def check(args, kwargs) -> None:
+        self, dim = args[0], _arg(args, kwargs, dim_index, "dim", -1)
+        if not isinstance(self, torch.Tensor) or self.dim() == 0 or not isinstance(dim, int):
+            return
+        if -self.dim() <= dim < self.dim() and self.shape[dim] == 0:
+            raise IndexError(f"{label}(): Expected reduction dim {dim % self.dim()} to have non-zero size.")
+    return check
+
+
 def _bytebool_out(name: str):
     """``all``/``any``'s out= dtype (ATen ``check_result_is_bytebool``; their meta kernels skip it)."""
     def check(args, kwargs) -> None:
@@ -761,7 +774,13 @@ MISSED_BY_META = {
        for overload in ("correction", "correction_out")},
     "aten::nansum": _reduction_dims,
     "aten::nansum.out": _reduction_dims,
-    "aten::mode.values": _mode_out,
+    "aten::mode.values": _checks(_nonempty_reduction_dim("mode", 1), _mode_out),
+    "aten::mode": _nonempty_reduction_dim("mode", 1),
+    "aten::median.dim": _nonempty_reduction_dim("median", 1),
+    "aten::median.dim_values": _nonempty_reduction_dim("median", 1),
+    "aten::nanmedian.dim": _nonempty_reduction_dim("median", 1),
+    "aten::nanmedian.dim_values": _nonempty_reduction_dim("median", 1),
+    "aten::kthvalue": _nonempty_reduction_dim("kthvalue", 2),
     **{f"aten::{name}.{overload}": _bytebool_out(name) for name in ("all", "any")
        for overload in ("out", "dims_out", "all_out")},
     "aten::randperm": _randperm,
@@ -784,7 +803,8 @@ MISSED_BY_META = {
     "aten::frexp.Tensor_out": _frexp_out,
     "aten::histc.out": _histc,
     "aten::masked_select.out": _no_overlap(((0, "self"), (1, "mask")), ("out",)),
-    "aten::kthvalue.values": _no_overlap(((0, "self"),), ("values", "indices")),
+    "aten::kthvalue.values": _checks(_nonempty_reduction_dim("kthvalue", 2),
+                                     _no_overlap(((0, "self"),), ("values", "indices"))),
     "aten::gather.out": _no_overlap(((0, "self"), (2, "index")), ("out",), partial_only=("index",)),
     "aten::index_select.out": _no_overlap(((0, "self"), (2, "index")), ("out",)),
     "aten::take.out": _no_overlap(((0, "self"), (1, "index")), ("out",)),
@@ -806,5 +826,6 @@ BY_SIGNATURE = frozenset({"aten::sub.Tensor", "aten::sub_.Tensor",
                           # (its value against the dtype: a FunctionalPlan's C++ key holds Scalars by value)
                           "aten::masked_fill.Scalar",
                           "aten::_ctc_loss", "aten::_ctc_loss.Tensor",  # (a size)
+                          "aten::kthvalue", "aten::mode", "aten::median.dim", "aten::nanmedian.dim",  # (a dim's size)
                           # (an expanded ``self`` is a matter of strides, which a signature holds)
                           "aten::relu_", "aten::hardtanh_", "aten::hardswish_"})
