@@ -1468,7 +1468,10 @@ def _argument_kinds(schema, inplace: bool = False) -> bytes | None:
     ``inplace``, one that writes its first argument alone and returns it), or None."""
     returns, arguments = schema.returns, schema.arguments
     if inplace:
-        if len(returns) != 1 or any(a.alias_info is not None and a.alias_info.is_write for a in arguments[1:]):
+        written = arguments[0].alias_info if arguments else None
+        if len(returns) != 1 or written is None or not written.is_write or returns[0].alias_info is None or \
+                returns[0].alias_info.before_set != written.before_set or \
+                any(a.alias_info is not None and a.alias_info.is_write for a in arguments[1:]):
             return None
     elif not returns or any(str(r.real_type) != "Tensor" or r.alias_info is not None for r in returns) or \
             any(a.alias_info is not None and a.alias_info.is_write for a in arguments):
@@ -1518,13 +1521,12 @@ def register_kernel(aten_library, name: str, kernel, with_keyset: bool = False) 
             schema = torch._C._get_schema(packet, overload)
         except RuntimeError:
             schema = None
-        kinds = _argument_kinds(schema) if schema is not None else None
-        if kinds is None and schema is not None and _in_place_on_first(schema):
-            # (``relu_``, ``hardtanh_``: in-place ops that are not structured, whose MutatingPlan
-            # checks a signature once; ``MutatingPlan.served_natively``)
-            kinds, results = _argument_kinds(schema, inplace=True), 0
-        else:
-            results = len(schema.returns) if schema is not None else 0
+        if schema is not None:
+            kinds, results = _argument_kinds(schema), len(schema.returns)
+            if kinds is None:
+                # (``relu_``, ``hardtanh_``: in-place ops that are not structured, whose MutatingPlan
+                # checks a signature once; ``MutatingPlan.served_natively``)
+                kinds, results = _argument_kinds(schema, inplace=True), 0
     if kinds is None:
         aten_library.impl(name, kernel, "PrivateUse1", with_keyset=with_keyset)
         return
@@ -1534,18 +1536,6 @@ def register_kernel(aten_library, name: str, kernel, with_keyset: bool = False) 
     _NATIVE_OPS.append((name, qualified, _KernelEntry(kernel, with_keyset, qualified), kinds, results,
                         numbers_as_numbers, False, True))
     _op_library.impl(name, kernel, "PrivateUse1", with_keyset=with_keyset)
-
-
-def _in_place_on_first(schema) -> bool:
-    """Whether ``schema`` writes its first argument alone and returns it (``relu_(Tensor(a!)
-    self) -> Tensor(a!)``)."""
-    arguments, returns = schema.arguments, schema.returns
-    if len(returns) != 1 or not arguments or returns[0].alias_info is None or arguments[0].alias_info is None:
-        return False
-    written = arguments[0].alias_info
-    return (written.is_write and returns[0].alias_info.is_write
-            and returns[0].alias_info.before_set == written.before_set
-            and not any(a.alias_info is not None for a in arguments[1:]))
 
 
 def _fresh_in_order(template, count: int) -> bool:

@@ -404,13 +404,8 @@ def register(aten_library: torch.library.Library) -> None:
         aten_library.impl(name, _evenly_distributed(getattr(torch.ops.aten, name).default), "AutogradPrivateUse1")
     _register_small_composites(aten_library)
     recompute.register(aten_library, WHOLE_KEYS)
-    for qualified in _kernels_that_decompose_only_here():
-        name = qualified[len("aten::"):]
-        packet, _, overload = name.partition(".")
-        op = getattr(getattr(torch.ops.aten, packet), overload or "default")
-        _device.register_kernel(aten_library, name, _whole(op))
-    for name in COMPOSITES_SENT_WHOLE:
-        _device.register_kernel(aten_library, name, _whole(_device._aten_op("aten::" + name)))
+    for qualified in (*_kernels_that_decompose_only_here(), *("aten::" + name for name in COMPOSITES_SENT_WHOLE)):
+        _device.register_kernel(aten_library, qualified[len("aten::"):], _whole(_device._aten_op(qualified)))
     for name in STUB_COMPOSITES:
         packet, _, overload = name.partition(".")
         aten_library.impl(name, _whole(getattr(getattr(torch.ops.aten, packet), overload or "default")), "PrivateUse1")
