@@ -152,6 +152,19 @@ def test_writes_elsewhere_keep_what_is_known(device):
     assert mask.sum().item() == 32
 
 
+def test_an_exact_op_of_a_mask_keeps_the_mask_known(device):
+    """``abs``, ``logical_not``, ``isinf`` of a mask are sent whole (client/fused.py), and such
+    ops made the client forget their inputs: the next ``mask.sum()`` was a round trip."""
+    host = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    for attempt in range(3):  # (first calls with new signatures and dtypes have replies)
+        mask = host.to(device)
+        before = _round_trips()
+        assert mask.abs().sum().item() == 3 and mask.logical_not().sum(dim=1).tolist() == [1, 2]
+        assert mask.logical_or(mask).any().item() is True and mask.isinf().any().item() is False
+        assert mask.sum().item() == 3 and mask.tolist() == host.tolist()
+    assert _round_trips() == before
+
+
 def test_an_op_that_writes_what_its_schema_does_not_say(device):
     """``native_batch_norm`` updates its running statistics, which its schema does not mark
     as written: a read of them in between must not answer the next read."""

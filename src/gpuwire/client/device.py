@@ -981,8 +981,9 @@ def _fresh_outputs(rt: Runtime, specs) -> tuple[list, list]:
 def queue_op(rt: Runtime, name: str, args, kwargs, outs=()) -> None:
     """Queue op ``name`` (results declared in ``outs``). An op can write only what it is
     given: the client forgets the values it knew of every storage among the arguments
-    (``client/mirror.py``; schemas are not trusted for this)."""
-    if rt.mirror:
+    (``client/mirror.py``; schemas are not trusted for this), except for the functional ops
+    whose results it mirrors (``abs(mask)`` made the next ``mask.sum()`` a round trip)."""
+    if rt.mirror and name not in mirror.OPS:
         mirror.forget_args(rt, args, kwargs)
     rt.submit_fresh(rt.encode_op(name, args, kwargs, outs))
 
@@ -1429,8 +1430,8 @@ def _register_direct(aten_library) -> None:
         if kinds is not None:  # (its Python kernel until the native helper takes its place)
             if _op_library is None:
                 _op_library = torch.library.Library("aten", "IMPL")
-            _NATIVE_OPS.append((name, qualified, plan, kinds, 0 if plan.inplace else len(schema.returns),
-                                not plan.numbers, plan.known_values, False))
+            _NATIVE_OPS.append(_native_entry(name, qualified, plan, kinds, 0 if plan.inplace else len(schema.returns),
+                                             not plan.numbers, False))
             _op_library.impl(name, plan, "PrivateUse1", with_keyset=True)
             continue
         aten_library.impl(name, _traced_direct(plan) if tracing else plan, "PrivateUse1", with_keyset=True)
@@ -1442,9 +1443,19 @@ _NATIVE_KINDS = {"Tensor": 0, "int": 1, "SymInt": 1, "List[int]": 2, "List[SymIn
                  "number": 5, "str": 6, "ScalarType": 7, "MemoryFormat": 8, "Layout": 9, "Device": 10,
                  "List[bool]": 11, "List[Tensor]": 12}
 # (name, qualified name, plan, kinds, results (0: in place on its first argument), numbers as
-# numbers, floating tensors only, FunctionalPlan rules: Scalars keyed by value, the inputs'
-# mirrors dropped) of the ops the native kernels serve
+# numbers, results mirrored, FunctionalPlan rules: Scalars keyed by value, the inputs' mirrors
+# dropped, the size of a first argument the Python path reads along) of the ops the native
+# kernels serve
 _NATIVE_OPS: list = []
+
+
+def _native_entry(name, qualified, plan, kinds, results, numbers_as_numbers, functional) -> tuple:
+    """An ``_NATIVE_OPS`` entry. An op of ``mirror.OPS`` is served natively when the client
+    mirrors none of its inputs (``Runtime.submit_native`` declines the others: the Python path
+    computes their values), a predicate when its first argument is bigger than what a read of
+    its result brings along (``mirror.after_op``)."""
+    return (name, qualified, plan, kinds, results, numbers_as_numbers, qualified in mirror.OPS, functional,
+            mirror.TINY if qualified in mirror.PREDICATES else 0)
 _op_library = None  # their Python kernels until then
 
 
@@ -1452,11 +1463,10 @@ def _native_kinds(plan, schema) -> bytes | None:
     """The native kernel's argument kinds for ``plan``'s op, or None where it does not serve
     the op: it serves functional ops with fresh tensor results whose arguments are all of
     ``_NATIVE_KINDS`` (the structured ops, ``add`` to ``addmm`` and ``native_layer_norm``, that
-    make most of a step). Of the ops whose results the client mirrors (client/mirror.py) only
-    those that mirror integer sums alone, and only on floating tensors (the C++ kernel checks)."""
+    make most of a step). The ops whose results the client mirrors (client/mirror.py) too: the
+    runtime declines their calls whose inputs it mirrors (``Runtime.submit_native``), and the
+    kernel a predicate's call on a tiny tensor (``_native_entry``), which the Python path serves."""
     if plan.returns_list:
-        return None
-    if plan.known_values and plan.name not in mirror.EXACT_ARGS_ONLY:
         return None
     if plan.inplace:  # (``x.add_(y)``: writes its first argument, returns it)
         return _argument_kinds(schema, inplace=True) if plan.source is not None and plan.source[0] == 0 else None
@@ -1514,7 +1524,7 @@ def register_kernel(aten_library, name: str, kernel, with_keyset: bool = False) 
     global _op_library
     qualified = "aten::" + name
     kinds = None
-    if os.environ.get("GPUWIRE_TRACE", "") in ("", "0") and qualified not in mirror.OPS and \
+    if os.environ.get("GPUWIRE_TRACE", "") in ("", "0") and \
             (qualified not in checks.MISSED_BY_META or qualified in checks.BY_SIGNATURE):
         packet, _, overload = qualified.partition(".")
         try:
@@ -1533,8 +1543,8 @@ def register_kernel(aten_library, name: str, kernel, with_keyset: bool = False) 
     if _op_library is None:
         _op_library = torch.library.Library("aten", "IMPL")
     numbers_as_numbers = torch._C._should_allow_numbers_as_tensors(packet.split("::")[-1])
-    _NATIVE_OPS.append((name, qualified, _KernelEntry(kernel, with_keyset, qualified), kinds, results,
-                        numbers_as_numbers, False, True))
+    _NATIVE_OPS.append(_native_entry(name, qualified, _KernelEntry(kernel, with_keyset, qualified), kinds, results,
+                                     numbers_as_numbers, True))
     _op_library.impl(name, kernel, "PrivateUse1", with_keyset=with_keyset)
 
 

@@ -60,7 +60,7 @@ EXACT_ARGS_ONLY = frozenset({"aten::bitwise_not", "aten::sum", "aten::sum.dim_In
 OPS = _ANY_DTYPE | EXACT_ARGS_ONLY
 # one-argument tests whose tiny argument is worth reading along with the result: Trainer's
 # ``torch.isnan(loss) or torch.isinf(loss)`` then costs one round trip, not two
-_PREDICATES = frozenset({"aten::isnan", "aten::isinf", "aten::isposinf", "aten::isneginf", "aten::signbit",
+PREDICATES = frozenset({"aten::isnan", "aten::isinf", "aten::isposinf", "aten::isneginf", "aten::signbit",
                          "aten::logical_not", "aten::eq.Scalar", "aten::ne.Scalar", "aten::lt.Scalar",
                          "aten::le.Scalar", "aten::gt.Scalar", "aten::ge.Scalar"})
 TINY = 64  # bytes: a loss, a norm, a few flags
@@ -228,7 +228,7 @@ def after_op(rt, name: str, args, result: torch.Tensor, values) -> None:
         if values.shape == result.shape and values.dtype == result.dtype:
             remember(rt, result, values, bit_exact=name in _ANY_DTYPE)
         return
-    if ENABLED and name in _PREDICATES and args and isinstance(args[0], torch.Tensor):
+    if ENABLED and name in PREDICATES and args and isinstance(args[0], torch.Tensor):
         first = args[0]
         if wire.on_device(first) and first.numel() * first.element_size() <= TINY and _whole(first):
             along = rt.read_along

@@ -568,7 +568,10 @@ struct OpKernel final : public c10::OperatorKernel {
   PyObject* plan;   // the op's device.DirectPlan (kept alive by device._NATIVE_OPS)
   PyObject* name;   // "aten::add.Tensor"
   bool numbers_as_numbers;  // a wrapped number goes as a Python number (ops allowing numbers as tensors)
-  bool floating_only;       // only floating tensors here (``sum``: the client mirrors integer sums, mirror.py)
+  bool known_values;        // an op whose result the client mirrors (mirror.py ``OPS``): the runtime
+                            // declines a call whose inputs are all mirrored, so the Python path mirrors it
+  int64_t tiny_first = 0;   // a predicate (``isnan``): a first argument of at most this many bytes goes to
+                            // the Python path, which reads it along with the result (mirror.py ``TINY``)
   bool functional;          // a FunctionalPlan's rules: a Scalar by its value, the inputs' mirrors dropped
   size_t results = 1;       // fresh results; 0: in place on its first argument, which it returns
   bool has_lists = false;   // a Tensor[] argument (``cat``): its tensors' mirrored values dropped too
@@ -595,7 +598,7 @@ struct OpKernel final : public c10::OperatorKernel {
           }
           c10::TensorImpl* impl = plain_gpuwire(t);
           if (impl == nullptr) return false;
-          if (floating_only && !c10::isFloatingType(impl->dtype().toScalarType())) return false;
+          if (i == 0 && tiny_first > 0 && impl->numel() * static_cast<int64_t>(impl->itemsize()) <= tiny_first) return false;
           out.push_back('T');
           key_layout(impl, out);
           break;
@@ -841,7 +844,7 @@ struct OpKernel final : public c10::OperatorKernel {
     }
     PyObject* answer = nullptr;
     PyObject* body_bytes = PyBytes_FromStringAndSize(body.data(), static_cast<Py_ssize_t>(body.size()));
-    PyObject* forget = functional || results == 0 || has_lists ? input_storages(args) : (Py_INCREF(Py_None), Py_None);
+    PyObject* forget = functional || known_values || results == 0 || has_lists ? input_storages(args) : (Py_INCREF(Py_None), Py_None);
     if (forget == nullptr) Py_CLEAR(body_bytes);
     if (n == 1) {
       PyObject* ref = PyLong_FromVoidPtr(weak[0]);
@@ -1206,8 +1209,8 @@ PyObject* configure_ops(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-// register_ops([(name, qualified name, plan, kinds: bytes, results, numbers as numbers, floating only,
-// functional), ...])
+// register_ops([(name, qualified name, plan, kinds: bytes, results, numbers as numbers, known values,
+// functional, tiny first argument), ...])
 PyObject* register_ops(PyObject*, PyObject* entries) {
   if (learn_hook == nullptr || tensor_type == nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "configure and configure_ops first");
@@ -1221,9 +1224,10 @@ PyObject* register_ops(PyObject*, PyObject* entries) {
     const char *name, *kinds;
     Py_ssize_t kinds_size;
     PyObject *qualified, *plan;
-    int numbers, floating, results, functional;
-    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "sOOy#ippp", &name, &qualified, &plan, &kinds, &kinds_size,
-                          &results, &numbers, &floating, &functional) || results < 0) {
+    int numbers, known, results, functional;
+    long long tiny = 0;
+    if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "sOOy#ipppL", &name, &qualified, &plan, &kinds, &kinds_size,
+                          &results, &numbers, &known, &functional, &tiny) || results < 0) {
       if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a negative number of results");
       Py_DECREF(seq);
       return nullptr;
@@ -1234,7 +1238,8 @@ PyObject* register_ops(PyObject*, PyObject* entries) {
     kernel->plan = plan;
     kernel->name = qualified;
     kernel->numbers_as_numbers = numbers != 0;
-    kernel->floating_only = floating != 0;
+    kernel->known_values = known != 0;
+    kernel->tiny_first = static_cast<int64_t>(tiny);
     kernel->functional = functional != 0;
     kernel->results = static_cast<size_t>(results);
     for (Py_ssize_t k = 0; k < kinds_size; ++k) {

@@ -45,7 +45,7 @@ from ..pool.sizes import format_size
 from .errors import ConnectionLost, RemoteError, out_of_memory_prefix, remote_error
 from .recovery import Recovery
 from . import wire
-from .mirror import forget_freed, forget_storages
+from .mirror import OPS as _MIRRORED_OPS, forget_freed, forget_storages
 from .probe import connect_timeout_from_env, dial_node, handshake, parse_address
 from .wire import HostTensorArgument, host_tensors_by_value, refuse_host_tensors
 
@@ -573,7 +573,11 @@ class Runtime:
         with self.lock:
             mirror = self.mirror
             if forget and mirror:
-                if name == "aten::_to_copy" and forget[0] in mirror:
+                if name in _MIRRORED_OPS:
+                    if all(storage_id in mirror for storage_id in forget):
+                        return None  # (the Python path computes the result's values: client/mirror.py)
+                    forget = None  # (they write nothing but their result)
+                elif name == "aten::_to_copy" and forget[0] in mirror:
                     return None  # (the Python path makes the copy's values known too: client/mirror.py)
             if self._dead is not None or self.sync_every_op:
                 return None
@@ -635,6 +639,10 @@ class Runtime:
         ``next_address``; False, with nothing done, where the runtime cannot take it so."""
         if self._dead is not None or self.sync_every_op:
             return False
+        if forget and self.mirror and name in _MIRRORED_OPS:  # (as in ``submit_native``)
+            if all(storage_id in self.mirror for storage_id in forget):
+                return False
+            forget = None
         budget = self.memory_budget if self.memory_budget is not None else self._device_capacity
         if budget is not None and self.bytes_in_use + nbytes > budget:
             return False
