@@ -44,6 +44,27 @@ def test_shape_errors_raise_like_local_torch(device):
         (a @ b).cpu()
 
 
+@pytest.mark.parametrize("op", [torch.neg, torch.floor, torch.abs, torch.sign])
+def test_an_out_of_another_dtype_a_kernel_refuses_raises_at_the_call(device, op):
+    """``torch.neg(x32, out=y64)`` raises on CPU and CUDA ("Found dtype Double but expected
+    Float"); PyTorch's meta kernels accept it, so once float32 and float64 calls of the op had
+    run it was queued and its error came from the next line that waited. ``sin`` takes such an
+    out (it casts): that still works."""
+    x = torch.tensor([1.5, -2.0])
+    for in_dtype, out_dtype in ((torch.float32, torch.float32), (torch.float64, torch.float64)):
+        op(x.to(device, in_dtype), out=torch.empty(0, dtype=out_dtype, device=device))  # (proven dtypes)
+    for in_dtype, out_dtype in ((torch.float32, torch.float64), (torch.float64, torch.float32)):
+        for _ in range(2):  # (and again: a refused combination is not remembered as proven)
+            with pytest.raises(RuntimeError) as local:
+                op(x.to(in_dtype), out=torch.empty(0, dtype=out_dtype))
+            with pytest.raises(RuntimeError, match=str(local.value).splitlines()[0]):
+                op(x.to(device, in_dtype), out=torch.empty(0, dtype=out_dtype, device=device))
+    out = torch.empty(0, dtype=torch.float64, device=device)
+    torch.sin(x.to(device), out=out)
+    assert torch.equal(out.cpu(), torch.sin(x).double())
+    assert torch.equal((torch.ones(2, device=device) * 2).cpu(), torch.full((2,), 2.0))  # (nothing left queued)
+
+
 def test_sync_mode_raises_at_the_failing_line(node):
     code = """
         import torch, gpuwire

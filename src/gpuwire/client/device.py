@@ -814,8 +814,13 @@ def _dtypes_unproven(name: str, args, kwargs) -> bool:
     # nondeterministic alert, raised by the node's kernel; with warn_only, its warning): each
     # op's first call under it has a reply too, whatever its dtypes, so either comes at the call
     deterministic = _deterministic_mode()
+    # an out= of another dtype than an input's: which casts a kernel accepts is its own (``neg``
+    # and ``abs`` none: "Found dtype Double but expected Float"; ``sin`` any), and the meta
+    # kernels (PyTorch's Python references for many) accept them all
+    out = kwargs.get("out")
+    cast_out = type(out) is torch.Tensor and any(dtype != out.dtype for dtype in dtypes)
     if not _CHECK_DTYPES or all(dtype in _EVERY_KERNEL_DTYPES for dtype in dtypes) and not name.startswith(
-            _INTEGER_ONLY_OPS) and not deterministic:
+            _INTEGER_ONLY_OPS) and not deterministic and not cast_out:
         return False
     # (and the alert may depend on a flag: ``put_``'s ``accumulate``)
     combination = (name, tuple(dtypes), deterministic, deterministic and tuple(
@@ -1441,7 +1446,7 @@ def _register_direct(aten_library) -> None:
 # ``Kind``); Optional[...] of each too.
 _NATIVE_KINDS = {"Tensor": 0, "int": 1, "SymInt": 1, "List[int]": 2, "List[SymInt]": 2, "float": 3, "bool": 4,
                  "number": 5, "str": 6, "ScalarType": 7, "MemoryFormat": 8, "Layout": 9, "Device": 10,
-                 "List[bool]": 11, "List[Tensor]": 12}
+                 "List[bool]": 11, "List[Tensor]": 12, "List[Optional[Tensor]]": 13}
 # (name, qualified name, plan, kinds, results (0: in place on its first argument), numbers as
 # numbers, results mirrored, FunctionalPlan rules: Scalars keyed by value, the inputs' mirrors
 # dropped, the size of a first argument the Python path reads along) of the ops the native

@@ -425,7 +425,7 @@ PyObject* configure(PyObject*, PyObject* args) {
 // of each too (None needs no kind).
 enum Kind : uint8_t {
   kTensor = 0, kInt = 1, kIntList = 2, kFloat = 3, kBool = 4, kScalar = 5, kStr = 6, kScalarType = 7,
-  kMemoryFormat = 8, kLayout = 9, kDevice = 10, kBoolList = 11, kTensorList = 12,
+  kMemoryFormat = 8, kLayout = 9, kDevice = 10, kBoolList = 11, kTensorList = 12, kOptionalTensorList = 13,
 };
 
 PyObject* learn_hook = nullptr;    // device._native_learn(plan, args, kwargs) -> (result, spec | None)
@@ -680,6 +680,22 @@ struct OpKernel final : public c10::OperatorKernel {
           }
           break;
         }
+        case kOptionalTensorList: {  // (``index``'s indices: a None for each dimension taken whole)
+          if (!v.isList()) return false;
+          const auto items = v.toListRef();
+          out.push_back('O');
+          put_raw<uint32_t>(out, static_cast<uint32_t>(items.size()));
+          for (const c10::IValue& item : items) {
+            if (item.isNone()) { out.push_back('N'); continue; }
+            if (!item.isTensor()) return false;
+            const at::Tensor& t = item.toTensor();
+            c10::TensorImpl* impl = t.defined() && !is_wrapped_number(t) ? plain_gpuwire(t) : nullptr;
+            if (impl == nullptr) return false;  // (a host index: the Python path uploads it)
+            out.push_back(static_cast<char>((impl->is_conj() ? 1 : 0) | (impl->is_neg() ? 2 : 0)));
+            key_layout(impl, out);
+          }
+          break;
+        }
         case kBoolList: {
           if (!v.isBoolList()) return false;
           const auto values = v.toBoolList();
@@ -764,6 +780,17 @@ struct OpKernel final : public c10::OperatorKernel {
         const auto values = v.toBoolList();
         pack_array_header(out, values.size());
         for (bool value : values) out.push_back(value ? '\xc3' : '\xc2');
+        return;
+      }
+      case kOptionalTensorList: {
+        const auto items = v.toListRef();
+        pack_array_header(out, items.size());
+        for (const c10::IValue& item : items) {
+          if (item.isNone()) { out.push_back('\xc0'); continue; }
+          std::string descriptor;
+          describe(item.toTensor().unsafeGetTensorImpl(), descriptor);
+          pack_ext(out, static_cast<int>(tensor_ext_code), descriptor);
+        }
         return;
       }
     }
@@ -926,6 +953,7 @@ struct OpKernel final : public c10::OperatorKernel {
     for (const c10::IValue& v : args) {
       if (v.isTensor()) add(v.toTensor());
       else if (v.isTensorList()) for (const at::Tensor& t : v.toTensorList()) add(t);
+      else if (v.isList()) for (const c10::IValue& item : v.toListRef()) if (item.isTensor()) add(item.toTensor());
     }
     return ids;
   }
@@ -1081,6 +1109,16 @@ struct OpKernel final : public c10::OperatorKernel {
       for (size_t i = 0; list && i < tensors.size(); ++i) {
         const at::Tensor t = tensors[i];
         PyObject* item = t.defined() ? wrap_tensor(t) : (Py_INCREF(Py_None), Py_None);
+        if (!item) { Py_CLEAR(list); break; }
+        PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), item);
+      }
+      return list;
+    }
+    if (kind == kOptionalTensorList && v.isList()) {
+      const auto items = v.toListRef();
+      PyObject* list = PyList_New(static_cast<Py_ssize_t>(items.size()));
+      for (size_t i = 0; list && i < items.size(); ++i) {
+        PyObject* item = to_python(kTensor, items[i]);
         if (!item) { Py_CLEAR(list); break; }
         PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), item);
       }
