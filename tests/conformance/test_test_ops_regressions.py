@@ -441,6 +441,13 @@ def test_shape_errors_of_copies_and_index_assignments_raise_at_the_call(device):
         target[:, torch.tensor([1, 3], device=target.device)] += 1
         target.copy_(target.flip(0)[:1].expand(3, 4) + target)
     assert torch.equal(d.cpu(), x)
+    for _ in range(2):  # (index_put_'s shape check keeps the signatures that passed: a new one is checked)
+        d[torch.tensor([0, 1], device=device)] = torch.ones(4, device=device)
+        with pytest.raises(RuntimeError, match=r"value tensor of shape \[3\] cannot be broadcast"):
+            d[torch.tensor([0, 1], device=device)] = torch.ones(3, device=device)
+        with pytest.raises(RuntimeError, match=r"value tensor of shape \[3\] cannot be broadcast"):
+            d[torch.tensor([0, 1], device=device), 0] = torch.ones(3, device=device)
+    assert torch.equal(d[:2].cpu(), torch.ones(2, 4))
 
 
 _FAKE_FALLBACK_CHILD = """
