@@ -620,57 +620,50 @@ class Runtime:
     def submit_native_many(self, name: str, body: bytes, nbytes: tuple, refs: tuple, out_tails: tuple,
                            forget=None) -> tuple | None:
         """``submit_native`` of an op with several fresh results (one of ``nbytes``, ``refs`` and
-        ``out_tails`` each; none: in place), their addresses, or None with nothing done. Written
-        out as ``submit_native`` is (``native_layer_norm``, ``nll_loss_forward``, ``max.dim``:
-        6.2-6.6 -> 4.7-5.0 us)."""
+        ``out_tails`` each; none: in place), their addresses, or None with nothing done."""
         with self.lock:
-            mirror = self.mirror
-            if forget and mirror and name in _MIRRORED_OPS:  # (as in ``submit_native``)
-                if all(storage_id in mirror for storage_id in forget):
-                    return None
-                forget = None
-            if self._dead is not None or self.sync_every_op:
-                return None
-            total = sum(nbytes)
-            budget = self.memory_budget if self.memory_budget is not None else self._device_capacity
-            if budget is not None and self.bytes_in_use + total > budget:
-                return None
             addresses, outs, address = [], [], self._next_address
             for size, tail in zip(nbytes, out_tails):
                 addresses.append(address)
                 outs.append(_OUT_HEAD + _pack(address) + tail)
                 address += (max(size, 1) + 2 * ALIGN - 1) & ~(ALIGN - 1)
-            seq = self.seq + 1
-            frame = self.conn.encode_prepared_op(seq, name, body, _array_head(len(outs)) + b"".join(outs))
-            if frame is None:
+            total = sum(nbytes)
+            if not self._queue_native(name, body, _array_head(len(outs)) + b"".join(outs), total, address, forget):
                 return None
-            self._next_address = address
-            if forget and mirror:
-                forget_storages(self, forget)
-            self.seq = seq
-            self.ops_sent += 1
-            queue = self._queue
-            now = _perf_counter()
-            if not queue:
-                self._queued_at = now
-            queue.append(frame)
-            self._queue_bytes += len(frame)
-            if self.recovery.logging:
-                self.recovery.log(seq, frame)
-            # ``track_ref`` of each, before any flush (as in ``submit_native``)
+            # ``track_ref`` of each written out, last, as in ``submit_native`` (``native_layer_norm``,
+            # ``nll_loss_forward``, ``max.dim``: 6.6 -> 6.2 us)
             live, live_bytes = self._live, self._live_bytes
             for storage_id, ref, size in zip(addresses, refs, nbytes):
                 live[storage_id] = StorageRef(ref)
                 live_bytes[storage_id] = size
             self.bytes_in_use += total
             self._allocs_since_scan += len(addresses)
-            if len(queue) >= FLUSH_OPS or self._queue_bytes >= FLUSH_BYTES:
-                self._flush()
-            elif now - self._queued_at >= self._flush_age:
-                self._flush_for_age()
             if self._allocs_since_scan >= SCAN_EVERY:
                 self._collect_garbage()
             return tuple(addresses)
+
+    def _queue_native(self, name: str, body: bytes, outs: bytes, nbytes: int, next_address: int, forget) -> bool:
+        """(``self.lock`` held) Queue a native kernel's op whose results take ``nbytes`` up to
+        ``next_address``; False, with nothing done, where the runtime cannot take it so."""
+        if self._dead is not None or self.sync_every_op:
+            return False
+        if forget and self.mirror and name in _MIRRORED_OPS:  # (as in ``submit_native``)
+            if all(storage_id in self.mirror for storage_id in forget):
+                return False
+            forget = None
+        budget = self.memory_budget if self.memory_budget is not None else self._device_capacity
+        if budget is not None and self.bytes_in_use + nbytes > budget:
+            return False
+        frame = self.conn.encode_prepared_op(self.seq + 1, name, body, outs)
+        if frame is None:
+            return False
+        self._next_address = next_address
+        if forget and self.mirror:
+            forget_storages(self, forget)
+        self.seq += 1
+        self.ops_sent += 1
+        self.enqueue(frame)
+        return True
 
     def synchronize(self) -> None:
         with self.lock:
