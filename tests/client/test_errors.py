@@ -65,6 +65,27 @@ def test_an_out_of_another_dtype_a_kernel_refuses_raises_at_the_call(device, op)
     assert torch.equal((torch.ones(2, device=device) * 2).cpu(), torch.full((2,), 2.0))  # (nothing left queued)
 
 
+def test_a_number_of_another_kind_is_checked_at_the_call_and_host_scalars_are_taken(device):
+    """PyTorch's test_foreach.py: ``torch._foreach_mul_(bool_tensors, 2)`` cannot cast its result
+    back (CPU and CUDA raise at the call); once the op had run with bool tensors and a bool, the
+    int call was queued and its error came from a later line. A number's kind now counts in the
+    dtype combination an op's first call proves. ``_foreach_addcmul``'s ``scalars`` tensor is read
+    on the host by CUDA's kernel: a queued call refused it as a host tensor."""
+    flags = [torch.tensor([True, False], device=device), torch.tensor([True], device=device)]
+    torch._foreach_mul_(flags, True)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="result type Long can't be cast to the desired output type Bool"):
+            torch._foreach_mul_(flags, 2)
+    assert [t.tolist() for t in flags] == [[True, False], [True]]
+    host = [torch.randn(3, 3), torch.randn(2)]
+    tensors = [t.to(device) for t in host]
+    scalars = torch.tensor([0.5, -2.0])
+    for _ in range(2):  # (the second call is queued)
+        got = torch._foreach_addcmul(tensors, tensors, tensors, scalars)
+        want = torch._foreach_addcmul(host, host, host, scalars)
+        assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
+
+
 def test_sync_mode_raises_at_the_failing_line(node):
     code = """
         import torch, gpuwire

@@ -795,10 +795,14 @@ def _deterministic_mode() -> int:
 _CHECK_DTYPES = os.environ.get("GPUWIRE_CHECK_DTYPES", "1") not in ("", "0")
 
 
+# a Python number's kind, as type promotion ranks it
+_NUMBER_CATEGORY = {bool: 0, int: 1, float: 2, complex: 3}
+
+
 def _dtypes_unproven(name: str, args, kwargs) -> bool:
     """Whether ``name`` has not yet run on the node with these arguments' dtypes; if so, the
     combination is noted for ``_call_sync`` to remember once the node ran the call."""
-    dtypes, empty = [], False
+    dtypes, empty, number = [], False, -1
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
             dtypes.append(value.dtype)
@@ -810,6 +814,10 @@ def _dtypes_unproven(name: str, args, kwargs) -> bool:
                 if isinstance(v, torch.Tensor):
                     dtypes.append(v.dtype)
                     empty = empty or not v.numel()
+                else:
+                    number = max(number, _NUMBER_CATEGORY.get(type(v), -1))
+        else:
+            number = max(number, _NUMBER_CATEGORY.get(type(value), -1))
     # under torch.use_deterministic_algorithms(True) a kernel may refuse to run at all (ATen's
     # nondeterministic alert, raised by the node's kernel; with warn_only, its warning): each
     # op's first call under it has a reply too, whatever its dtypes, so either comes at the call
@@ -820,10 +828,11 @@ def _dtypes_unproven(name: str, args, kwargs) -> bool:
     out = kwargs.get("out")
     cast_out = type(out) is torch.Tensor and any(dtype != out.dtype for dtype in dtypes)
     if not _CHECK_DTYPES or all(dtype in _EVERY_KERNEL_DTYPES for dtype in dtypes) and not name.startswith(
-            _INTEGER_ONLY_OPS) and not deterministic and not cast_out:
+            _INTEGER_ONLY_OPS) and not deterministic and not cast_out and number < 3:
         return False
-    # (and the alert may depend on a flag: ``put_``'s ``accumulate``)
-    combination = (name, tuple(dtypes), deterministic, deterministic and tuple(
+    # (and the alert may depend on a flag: ``put_``'s ``accumulate``; the result type on a number's
+    # kind: ``_foreach_mul_`` of bool tensors by an int cannot cast its result back, by a bool can)
+    combination = (name, tuple(dtypes), number, deterministic, deterministic and tuple(
         value for value in (*args, *kwargs.values()) if isinstance(value, bool)))
     if combination in _PROVEN_DTYPES:
         return False

@@ -251,8 +251,9 @@ HOST_TENSOR_OPS = frozenset({
     "aten::copy.out", "aten::_copy_from.out", "aten::_copy_from_and_resize.out",
     "aten::_to_copy.out", "aten::_pack_padded_sequence.out", "aten::_ctc_loss.Tensor_out",
 })
-# arguments CUDA reads on the host whatever the op (``lstm.data``'s batch_sizes, CTC lengths)
-HOST_TENSOR_ARGUMENTS = frozenset({"batch_sizes", "lengths", "input_lengths", "target_lengths"})
+# arguments CUDA reads on the host whatever the op (``lstm.data``'s batch_sizes, CTC lengths,
+# ``_foreach_addcmul.Tensor``'s scalars: "Expected scalars to be on CPU")
+HOST_TENSOR_ARGUMENTS = frozenset({"batch_sizes", "lengths", "input_lengths", "target_lengths", "scalars"})
 
 
 def refuse_host_tensors(name: str, args, kwargs) -> None:
