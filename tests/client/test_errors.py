@@ -66,16 +66,20 @@ def test_an_out_of_another_dtype_a_kernel_refuses_raises_at_the_call(device, op)
 
 
 def test_a_number_of_another_kind_is_checked_at_the_call_and_host_scalars_are_taken(device):
-    """PyTorch's test_foreach.py: ``torch._foreach_mul_(bool_tensors, 2)`` cannot cast its result
-    back (CPU and CUDA raise at the call); once the op had run with bool tensors and a bool, the
-    int call was queued and its error came from a later line. A number's kind now counts in the
+    """PyTorch's test_foreach.py: ``torch._foreach_mul_(bool_tensors, 2)`` and ``mask.mul_(8)``
+    cannot cast their results back (CPU and CUDA raise at the call); the first was queued once
+    the op had run with bool tensors and a bool, the second always (a structured op given a
+    number skipped the first-call proof), and their errors came from a later line. A number's kind now counts in the
     dtype combination an op's first call proves. ``_foreach_addcmul``'s ``scalars`` tensor is read
     on the host by CUDA's kernel: a queued call refused it as a host tensor."""
     flags = [torch.tensor([True, False], device=device), torch.tensor([True], device=device)]
     torch._foreach_mul_(flags, True)
+    flags[0].mul_(True)
     for _ in range(2):
         with pytest.raises(RuntimeError, match="result type Long can't be cast to the desired output type Bool"):
             torch._foreach_mul_(flags, 2)
+        with pytest.raises(RuntimeError, match="result type Long can't be cast to the desired output type Bool"):
+            flags[0].mul_(8)  # (a structured op given a number: its meta kernel takes this too)
     assert [t.tolist() for t in flags] == [[True, False], [True]]
     host = [torch.randn(3, 3), torch.randn(2)]
     tensors = [t.to(device) for t in host]

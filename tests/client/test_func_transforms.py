@@ -2,6 +2,7 @@
 meta-learning) through ops the client sends whole with an ``autograd.Function`` (attention,
 dropout), compared with local CPU bit for bit."""
 
+import contextlib
 import warnings
 
 import pytest
@@ -68,6 +69,33 @@ def test_forward_mode_ad_through_dropout_draws_what_a_local_run_draws(device):
             results.append((primal.cpu(), jvp.cpu()))
     (want_primal, want_jvp), (got_primal, got_jvp) = results
     assert torch.equal(got_primal, want_primal) and torch.equal(got_jvp, want_jvp)
+
+
+def test_forward_mode_ad_through_attention(device):
+    """A JVP through ``F.scaled_dot_product_attention`` (dual tensors, with and without a graph)
+    and forward-over-reverse (PyTorch's test_ops_fwd_gradients ``fwgrad_bwgrad``) raised "You
+    must implement the jvp function for custom autograd.Function" (the one-message attention), or,
+    without a graph, dropped the tangent; they run as the composite's ops, as on the CPU."""
+    import torch.autograd.forward_ad as fwAD
+    g = torch.Generator().manual_seed(0)
+    q, k, v, tq = (torch.randn(2, 3, 5, 4, dtype=torch.float64, generator=g) for _ in range(4))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    results = []
+    for where in ("cpu", device):
+        for requires_grad in (False, True):
+            # (a CPU run's flash kernel has no forward AD: compared with its math path, which has)
+            with fwAD.dual_level(), sdpa_kernel(SDPBackend.MATH) if where == "cpu" else contextlib.nullcontext():
+                dual = fwAD.make_dual(q.to(where).detach().requires_grad_(requires_grad), tq.to(where))
+                out = F.scaled_dot_product_attention(dual, k.to(where), v.to(where), is_causal=True)
+                primal, tangent = fwAD.unpack_dual(out)
+                assert tangent is not None
+                results.append((primal.detach().cpu(), tangent.detach().cpu()))
+    for (want_primal, want_tangent), (got_primal, got_tangent) in zip(results[:2], results[2:]):
+        torch.testing.assert_close(got_primal, want_primal)
+        torch.testing.assert_close(got_tangent, want_tangent)
+    inputs = [t.to(device).requires_grad_() for t in (q, k, v)]
+    assert torch.autograd.gradgradcheck(lambda a, b, c: F.scaled_dot_product_attention(a, b, c), inputs,
+                                        check_fwd_over_rev=True, check_rev_over_rev=False, check_undefined_grad=False)
 
 
 def _gradient_penalty(device, dropout_p: float):

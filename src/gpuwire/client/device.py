@@ -1339,13 +1339,16 @@ class DirectPlan:
     def _learn_from_meta(self, key, args, kwargs):
         if self._checker is None:
             self._checker = FunctionalPlan(self.op)
+        # (judged on the Python numbers, by kind: ``mask.mul_(8)`` cannot cast its result back to
+        # bool, which the meta kernel does not see; ``x + 1`` of floats proves nothing new)
+        unproven = _dtypes_unproven(self.name, args, kwargs)
         if self.numbers:
             # as wrapped-number tensors: the meta kernel (like the node) refuses a plain number in
             # a Tensor slot, which made ``x % 2`` or ``torch.fmod(x, 1.5)`` a round trip every call
             args, kwargs = _numbers_as_tensors(self.numbers, args, kwargs)
         # (a number the op takes as a tensor, ``x * 2.0``, reaches the meta kernel as a meta
         # scalar too: see ``_to_meta``)
-        entry = self._checker._compute(*_numbers_as_tensors(self.tensor_slots, args, kwargs))
+        entry = SYNC if unproven else self._checker._compute(*_numbers_as_tensors(self.tensor_slots, args, kwargs))
         if entry is SYNC or entry is None:
             # no metadata here, or the meta kernel raised: the node runs the op with a reply
             # (so its error is raised at this line)
