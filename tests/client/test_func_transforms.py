@@ -98,6 +98,29 @@ def test_forward_mode_ad_through_attention(device):
                                         check_fwd_over_rev=True, check_rev_over_rev=False, check_undefined_grad=False)
 
 
+@pytest.mark.parametrize("cls", [torch.nn.LSTM, torch.nn.GRU, torch.nn.RNN], ids=lambda c: c.__name__)
+def test_rnn_layers_under_forward_ad_and_torch_func(device, cls):
+    """RNN layers are sent whole with an autograd.Function (client/recompute.py): a JVP through
+    one and ``torch.func.grad`` of one raised ("You must implement the jvp function", "must
+    override the setup_context staticmethod"); they run as the layer's composite ops there."""
+    import torch.autograd.forward_ad as fwAD
+    from torch.func import grad
+    torch.manual_seed(0)
+    reference = cls(4, 5, batch_first=True).double()
+    x, tangent = (torch.randn(2, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(s)) for s in (1, 2))
+    results = []
+    for where in ("cpu", device):
+        layer = cls(4, 5, batch_first=True).double().to(where)
+        layer.load_state_dict(reference.state_dict())
+        with fwAD.dual_level():
+            _, jvp = fwAD.unpack_dual(layer(fwAD.make_dual(x.to(where), tangent.to(where)))[0])
+        params = {k: v.detach() for k, v in layer.named_parameters()}
+        grads = grad(lambda p: functional_call(layer, p, (x.to(where),))[0].pow(2).sum())(params)
+        results.append([jvp.cpu(), *(g.cpu() for g in grads.values())])
+    for want, got in zip(*results):
+        torch.testing.assert_close(got, want)
+
+
 def _gradient_penalty(device, dropout_p: float):
     """A gradient penalty through attention (``create_graph=True``, then a second backward), as a
     local run computes it under ``sdpa_kernel(SDPBackend.MATH)``: the kernel with a double backward."""

@@ -165,6 +165,11 @@ def _kernel(op):
     plan = _device.FunctionalPlan(op)
 
     def kernel(*args):
+        if torch.autograd.forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active():
+            # (forward-mode AD and torch.func's transforms refuse an autograd.Function without
+            # their rules, and a call without a graph would drop the tangent: the composite's
+            # ops carry both, at the composite's rounding)
+            return op.decompose(*args)
         if not torch.is_grad_enabled():
             # (no_grad, inference_mode: no graph, and the node runs the op with grad off as a
             # local run does: CPU's oneDNN RNNs take their inference path then, other rounding)
