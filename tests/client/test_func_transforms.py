@@ -121,6 +121,27 @@ def test_rnn_layers_under_forward_ad_and_torch_func(device, cls):
         torch.testing.assert_close(got, want)
 
 
+def test_torch_func_through_max_min_and_median_of_a_whole_tensor(device):
+    """``x.max()``/``min()``/``median()``/``nanmedian()`` without a dim carry an autograd.Function
+    here (client/fused.py ``_EvenlyDistributed``: the gradient spread evenly without CPU's
+    ``.item()`` round trip), which torch.func's transforms refused; under them the same values and
+    gradients come from plain ops, bit for bit with CPU (signs of zeros included)."""
+    from torch.func import jvp
+    results = []
+    for where in ("cpu", device):
+        got = []
+        for values in ([1.0, 3.0, 3.0, 2.0], [-0.0, -1.0, -0.0, -2.0], [1.0, float("nan"), 2.0, 0.5], [0.1, 0.1, 0.1, -5.0]):
+            x = torch.tensor(values, dtype=torch.float64, device=where)
+            for name in ("max", "min", "median", "nanmedian"):
+                f = getattr(torch.Tensor, name)
+                got += [f(x), grad(f)(x), jvp(f, (x,), (torch.arange(1.0, 5.0, dtype=torch.float64, device=where),))[1],
+                        vmap(grad(f))(x.reshape(2, 2))]
+        results.append([t.cpu() for t in got])
+    for want, got in zip(*results):
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+        assert torch.equal(got.nan_to_num().signbit(), want.nan_to_num().signbit())  # (a NaN's sign means nothing)
+
+
 def _gradient_penalty(device, dropout_p: float):
     """A gradient penalty through attention (``create_graph=True``, then a second backward), as a
     local run computes it under ``sdpa_kernel(SDPBackend.MATH)``: the kernel with a double backward."""

@@ -353,11 +353,29 @@ class _EvenlyDistributed(torch.autograd.Function):
         return tangent.mul(mask).sum() / mask.sum()
 
 
+def _evenly_distributed_ops(op, input):
+    """The value of ``op(input)`` with the gradient ``_EvenlyDistributed`` gives it, in plain
+    differentiable ops: under torch.func's transforms, which refuse an autograd.Function that
+    is not written for them (and a PrivateUse1 device has no kernel for the form that is)."""
+    with torch._C._AutoDispatchBelowAutograd():
+        value = op(input)
+    mask = (input == value).logical_or_(input.isnan().logical_and_(value.isnan()))
+    count = mask.sum()
+    # both have ``mask / count`` as their gradient; ``value + 0.0`` is exactly the value unless it
+    # is a zero (-0.0 would turn 0.0), the sum of the equal elements divided by their count is
+    # exact for zeros, infinities and NaN (-0.0 fills: it keeps a sum of -0.0s negative)
+    shifted = value + torch.where(mask, input - value, 0.0).sum() / count
+    summed = torch.where(mask, input, -0.0).sum() / count
+    return torch.where(value.isfinite() & (value != 0), shifted, summed)
+
+
 def _evenly_distributed(op):
     from torch.autograd import forward_ad
 
     def kernel(input):
         if (input.requires_grad and torch.is_grad_enabled()) or forward_ad._current_level >= 0:
+            if torch._C._are_functorch_transforms_active():
+                return _evenly_distributed_ops(op, input)
             return _EvenlyDistributed.apply(op, input)
         with torch._C._AutoDispatchBelowAutograd():
             return op(input)
