@@ -185,7 +185,10 @@ def test_after_a_sync_point_the_first_commands_go_at_once_then_the_age_ramps(dev
     flushes, queue_after = clocked_flushes
     rt = _rt()
     assert (rt._flush_age_first, rt._flush_age_max) == (25e-6, 200e-6)  # (unset GPUWIRE_FLUSH_AGE_US)
-    assert rt._flush_eager == 32  # (unset GPUWIRE_FLUSH_EAGER)
+    # (unset GPUWIRE_FLUSH_EAGER: 32 for a GPU node; a CPU-backend node, as here, shares the
+    # client's cores, and 0 measured faster there: set to a GPU node's default to test it)
+    assert rt._flush_eager == (0 if rt.device_info.get("backend") == "cpu" else 32)
+    monkeypatch.setattr(rt, "_flush_eager", runtime_module.FLUSH_EAGER)
     gpuwire.synchronize()  # (a sync point with nothing queued sends only its own frame)
     flushes.clear()
 
@@ -232,10 +235,11 @@ def test_without_eager_sends_the_age_starts_small_after_each_sync_point(device, 
 
 def test_the_eager_count_is_read_from_the_environment_and_a_bad_value_says_what_to_give(monkeypatch):
     monkeypatch.delenv("GPUWIRE_FLUSH_EAGER", raising=False)
-    assert runtime_module.configured_flush_eager() == 32
+    assert runtime_module.configured_flush_eager() == runtime_module.configured_flush_eager("cuda") == 32
+    assert runtime_module.configured_flush_eager("cpu") == 0  # (a CPU node: sends cost both ends cores)
     for text, expected in (("0", 0), ("8", 8), (" 64 ", 64)):
         monkeypatch.setenv("GPUWIRE_FLUSH_EAGER", text)
-        assert runtime_module.configured_flush_eager() == expected
+        assert runtime_module.configured_flush_eager() == runtime_module.configured_flush_eager("cpu") == expected
     for bad in ("many", "-1", "1.5", "1000001"):
         monkeypatch.setenv("GPUWIRE_FLUSH_EAGER", bad)
         with pytest.raises(ValueError, match="GPUWIRE_FLUSH_EAGER.*sync point"):
