@@ -1464,6 +1464,7 @@ _NATIVE_KINDS = {"Tensor": 0, "int": 1, "SymInt": 1, "List[int]": 2, "List[SymIn
 # dropped, the size of a first argument the Python path reads along) of the ops the native
 # kernels serve
 _NATIVE_OPS: list = []
+_op_library = None  # their Python kernels until then
 
 
 def _native_entry(name, qualified, plan, kinds, results, numbers_as_numbers, functional) -> tuple:
@@ -1473,7 +1474,6 @@ def _native_entry(name, qualified, plan, kinds, results, numbers_as_numbers, fun
     its result brings along (``mirror.after_op``)."""
     return (name, qualified, plan, kinds, results, numbers_as_numbers, qualified in mirror.OPS, functional,
             mirror.TINY if qualified in mirror.PREDICATES else 0)
-_op_library = None  # their Python kernels until then
 
 
 def _native_kinds(plan, schema) -> bytes | None:

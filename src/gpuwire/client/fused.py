@@ -251,14 +251,11 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     forward_ad = torch.autograd.forward_ad._current_level >= 0
     if not forward_ad and (not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in args[:4])):
-        # no graph to keep (inference, ``generate``): the one message, without the autograd
-        # Function around it (~10 us a call: 20.1 -> 10.5 us in a loop)
+        # no graph to keep (inference, ``generate``; a JVP has a tangent to carry: below): the one
+        # message, without the autograd Function around it (~10 us a call: 20.1 -> 10.5 us in a loop)
         (out,) = _device.submit_with_outputs("gpuwire::sdpa", args, {}, [_sdpa_out_shape(*args)])
         return out
-    if forward_ad or torch._C._are_functorch_transforms_active():
-        # (``torch.func.grad`` and kin, and forward-mode AD (a jvp, forward-over-reverse), refuse an
-        # autograd.Function without their rules: the composite's own ops carry the gradient and
-        # the tangent, at the math path's rounding)
+    if recompute.under_transforms():  # (the composite: the math path's rounding)
         return torch.ops.aten.scaled_dot_product_attention.default.decompose(
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
     return _RemoteSDPA.apply(*args)
@@ -303,8 +300,7 @@ def _dropout(input, p: float, train: bool):
     if p == 1.0:
         return input * torch.zeros_like(input)
     if _device.runtime().device_info.get("backend") == "cpu":
-        if (input.is_floating_point() and not input.is_complex() and not torch._C._are_functorch_transforms_active()
-                and torch.autograd.forward_ad._current_level < 0):
+        if input.is_floating_point() and not input.is_complex() and not recompute.under_transforms():
             # (under torch.func transforms and forward-mode AD, which an autograd.Function
             # without a jvp refuses: the plain ops below, which draw the same mask)
             return _RemoteDropout.apply(input, p)

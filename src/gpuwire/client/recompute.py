@@ -43,6 +43,14 @@ def _rng_spec():
     return _device.output_spec((_rng_state_bytes,), (1,), torch.uint8)
 
 
+def under_transforms() -> bool:
+    """Whether forward-mode AD (a JVP, forward-over-reverse) or a torch.func transform is active:
+    both refuse an ``autograd.Function`` without their rules, and a call without a graph would
+    drop the tangent. The ops sent whole with one take their composite's ops then, which carry
+    the gradient and the tangent (at the composite's rounding)."""
+    return torch.autograd.forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active()
+
+
 def batched(tensors) -> bool:
     """Whether a backward is being vmapped: gradcheck's batched-gradient check and
     ``torch.autograd.grad(..., is_grads_batched=True)`` hand a backward gradients that wrap a
@@ -165,10 +173,7 @@ def _kernel(op):
     plan = _device.FunctionalPlan(op)
 
     def kernel(*args):
-        if torch.autograd.forward_ad._current_level >= 0 or torch._C._are_functorch_transforms_active():
-            # (forward-mode AD and torch.func's transforms refuse an autograd.Function without
-            # their rules, and a call without a graph would drop the tangent: the composite's
-            # ops carry both, at the composite's rounding)
+        if under_transforms():
             return op.decompose(*args)
         if not torch.is_grad_enabled():
             # (no_grad, inference_mode: no graph, and the node runs the op with grad off as a

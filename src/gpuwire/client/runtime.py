@@ -652,10 +652,6 @@ class Runtime:
         ``next_address``; False, with nothing done, where the runtime cannot take it so."""
         if self._dead is not None or self.sync_every_op:
             return False
-        if forget and self.mirror and name in _MIRRORED_OPS:  # (as in ``submit_native``)
-            if all(storage_id in self.mirror for storage_id in forget):
-                return False
-            forget = None
         budget = self.memory_budget if self.memory_budget is not None else self._device_capacity
         if budget is not None and self.bytes_in_use + nbytes > budget:
             return False
