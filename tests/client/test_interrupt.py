@@ -161,3 +161,46 @@ def test_an_interrupt_while_the_node_works_through_a_long_queue_keeps_the_sessio
     assert lines[1] == "small: [0.0, 1.0, 2.0]"
     assert lines[2].startswith("chain equal: True"), lines
     assert "restored" in done.stderr
+
+
+ONE_LONG_KERNEL = textwrap.dedent("""
+    import os, signal, sys, threading, time
+    import torch, gpuwire
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (as above)
+    gpuwire.attach(sys.argv[1])
+    n = 7000  # (6-15 s of one thread: longer than the node's take-over wait and the handshake timeout)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
+    start = torch.arange(n * n, dtype=torch.float32).view(n, n) % 1000
+    p, c = torch.eye(n)[order].to("gpuwire"), start.to("gpuwire")
+    gpuwire.synchronize()
+    t0 = time.monotonic()
+    c = c @ p  # one kernel of seconds on the node (a permutation: exact)
+    threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    try:
+        c.sum().item()
+        print("not interrupted")
+    except KeyboardInterrupt:
+        print("interrupted")
+    print("small:", torch.arange(3.0, device="gpuwire").cpu().tolist())
+    expected = torch.empty_like(start)
+    expected[:, order] = start
+    print("equal:", torch.equal(c.cpu(), expected), "seconds:", round(time.monotonic() - t0, 1))
+""")
+
+
+def test_an_interrupt_during_one_long_kernel_waits_for_it_and_keeps_the_session(node):
+    """Ctrl-C (or a test runner's timeout) while ``.item()`` waits for one kernel that runs longer
+    than the reconnect grace: the node cannot end the old connection until the kernel returns and
+    says so to the resume; the client waits for it instead of declaring the session lost (every
+    remote tensor was gone after 10 s, and every later call raised ConnectionLost)."""
+    done = subprocess.run([sys.executable, "-c", ONE_LONG_KERNEL, node.address], capture_output=True, text=True,
+                          timeout=300, env={**__import__("os").environ, "GPUWIRE_RECONNECT_GRACE": "0.2"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "interrupted", (lines, done.stderr[-2000:])
+    assert lines[1] == "small: [0.0, 1.0, 2.0]"
+    assert lines[2].startswith("equal: True"), lines
+    seconds = float(lines[2].rsplit(" ", 1)[1])
+    if seconds > 3:  # the kernel outlasted the grace and the node's 2 s take-over wait: the case itself
+        assert "still running a command of this session" in done.stderr, done.stderr[-2000:]
+    assert "restored" in done.stderr

@@ -43,6 +43,11 @@ CHUNK_BYTES = 16 << 20
 MAX_FRUITLESS_RECOVERIES = 3  # connections lost in a row with nothing applied in between
 
 
+# what a node answers a resume while the session's old connection is still running a command
+# (node/server.py ``_take_over``)
+STILL_ATTACHED = "still attached to another connection"
+
+
 def _say(message: str) -> None:
     print(f"gpuwire: {message}", file=sys.stderr, flush=True)
 
@@ -220,7 +225,7 @@ class Recovery:
         answers but has no such session; None: the node did not answer in time (or refuses
         connections while a pool can give us another one)."""
         rt = self.rt
-        delay, refused_since = 0.05, None
+        delay, refused_since, said_busy = 0.05, None, False
         while True:
             try:
                 welcome = self._open(rt.address, rt.token, resume={
@@ -229,6 +234,17 @@ class Recovery:
                 if "unknown session" in exc.reason:
                     self._refusal = exc.reason
                     return False
+                if STILL_ATTACHED in exc.reason:
+                    # the node is up and holds the session, still running one long command on the
+                    # old connection (it ends that connection at the command's end): wait for it,
+                    # as a local run waits for its kernel, instead of giving the session up when
+                    # the grace for an unreachable node runs out (a Ctrl-C or a test runner's
+                    # timeout during a minutes-long kernel lost every remote tensor)
+                    if not said_busy:
+                        said_busy = True
+                        _say(f"node {rt.address} is still running a command of this session; the session "
+                             "resumes when it finishes (Ctrl-C again to stop waiting)")
+                    deadline = max(deadline, time.monotonic() + 2 * delay)
                 welcome = None
             except ConnectionRefusedError:
                 refused_since = refused_since or time.monotonic()

@@ -370,8 +370,10 @@ class NodeServer:
                 old.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        if not session.detached.wait(5.0):
-            return None, "the session is still attached to another connection; retry"
+        # (well inside the client's 5 s handshake timeout: a refusal that arrives is a node alive and
+        # busy, which the client waits for; a timeout reads as a node gone)
+        if not session.detached.wait(2.0):
+            return None, "the session is still attached to another connection (it is running a command); retry"
         session.taking_over = False
         session.detached.clear()
         session.attached.set()
