@@ -237,3 +237,40 @@ def test_remote_memory_is_freed_when_tensors_die(device):
     del tensors
     gpuwire.synchronize()
     assert rt.query("memory")["bytes_in_use"] <= baseline
+
+
+def test_a_linear_algebra_failure_is_a_linalg_error(device):
+    """``except torch.linalg.LinAlgError`` catches what the node's LAPACK refuses, as locally
+    (test_linalg.py: a singular ``inv_ex(check_errors=True)`` and a non-positive-definite
+    ``cholesky_ex`` raised a plain RuntimeError subclass)."""
+    singular = torch.eye(3, device=device)
+    singular[1, 1] = 0
+    with pytest.raises(torch.linalg.LinAlgError, match="The diagonal element 2 is zero"):
+        torch.linalg.inv_ex(singular, check_errors=True)
+    with pytest.raises(torch.linalg.LinAlgError, match="not positive-definite"):
+        torch.linalg.cholesky_ex(-torch.eye(3, device=device), check_errors=True)
+    assert torch.linalg.inv_ex(singular).info.item() == 2  # (without check_errors: the info only)
+
+
+def test_eig_of_a_matrix_with_a_nan_raises_at_the_call(device):
+    """CPU and CUDA (whose ``eig`` runs on the host) check the input's values before the kernel:
+    the error comes at the call, not at a later line."""
+    a = torch.randn(2, 5, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    w, v = torch.linalg.eig(a.to(device))
+    expected = torch.linalg.eig(a)
+    assert torch.equal(w.cpu(), expected.eigenvalues) and torch.equal(v.cpu(), expected.eigenvectors)
+    a[0, -1, -1] = float("nan")
+    with pytest.raises(RuntimeError, match="torch.linalg.eig: input tensor should not contain infs or NaNs"):
+        torch.linalg.eig(a.to(device))
+    assert torch.ones(2, device=device).sum().item() == 2.0  # nothing left queued to fail later
+
+
+def test_lstsq_takes_the_drivers_a_gpu_takes(device):
+    a = torch.rand(2, 3, 3, dtype=torch.float64, device=device)
+    b = torch.rand(2, 3, 2, dtype=torch.float64, device=device)
+    for driver in (None, "gels"):
+        solution = torch.linalg.lstsq(a, b, driver=driver).solution
+        torch.testing.assert_close(solution.cpu(), torch.linalg.lstsq(a.cpu(), b.cpu()).solution)
+    for driver in ("gelsd", "no_such_driver"):
+        with pytest.raises(RuntimeError, match="`driver` other than `gels` is not supported on CUDA"):
+            torch.linalg.lstsq(a, b, driver=driver)

@@ -429,6 +429,15 @@ def _frexp_out(args, kwargs) -> None:
                            f"{TYPE_META_NAMES.get(exponent.dtype, exponent.dtype)}")
 
 
+def _lstsq_driver(args, kwargs) -> None:
+    """``linalg.lstsq``'s driver, as CUDA's kernel checks it on the host: only ``gels`` (a CPU
+    node's LAPACK has more, which a program written for a GPU cannot rely on; the device acts
+    as one GPU whatever its node's backend)."""
+    driver = kwargs.get("driver")
+    if driver is not None and driver != "gels":
+        raise RuntimeError("torch.linalg.lstsq: `driver` other than `gels` is not supported on CUDA")
+
+
 def _sub_of_bool(args, kwargs) -> None:
     """``sub``'s refusal of a bool operand (ATen ``sub_check``; the Python meta kernel that
     shape inference runs takes ``mask - 1`` and ``1 - mask``)."""
@@ -789,6 +798,8 @@ MISSED_BY_META = {
     "aten::normal.float_float_out": _normal_second,
     **{f"aten::{fname}.{overload}": _degrees_of_freedom(fname) for fname in ("std", "var", "var_mean", "std_mean")
        for overload in ("correction", "correction_out")},
+    "aten::linalg_lstsq": _lstsq_driver,
+    "aten::linalg_lstsq.out": _lstsq_driver,
     "aten::nansum": _reduction_dims,
     "aten::nansum.out": _reduction_dims,
     "aten::mode.values": _checks(_nonempty_reduction_dim("mode", 1), _mode_out),

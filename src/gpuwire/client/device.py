@@ -2270,6 +2270,9 @@ SPECIAL = {
     aten._unsafe_view.default: _local,
     aten.is_pinned.default: _is_pinned,
     aten.record_stream.default: _record_stream,
+    # a NaN or inf in the input raises "input tensor should not contain infs or NaNs" at the call
+    # on CPU and on CUDA (whose eig runs on the host): so here, with a reply, not at a later line
+    aten.linalg_eig.default: SyncPlan(aten.linalg_eig.default),
 }
 
 

@@ -55,6 +55,9 @@ def remote_error(op: str, seq: int, exc_type: str, message: str, node: str) -> R
         import torch
         base = torch.OutOfMemoryError
         text = out_of_memory_prefix() + text
+    elif exc_type in ("_LinAlgError", "LinAlgError"):  # (a RuntimeError: ``except torch.linalg.LinAlgError``)
+        import torch
+        base = torch.linalg.LinAlgError
     elif exc_type in _MIRRORED:
         base = getattr(builtins, exc_type)
     elif exc_type.endswith("Error") and exc_type not in ("SessionError", "OpRefused"):
@@ -63,7 +66,7 @@ def remote_error(op: str, seq: int, exc_type: str, message: str, node: str) -> R
         return RemoteError(text, op=op, seq=seq, remote_type=exc_type, remote_message=message)
     cls = _REMOTE_SUBCLASSES.get(exc_type)
     if cls is None:
-        cls = _REMOTE_SUBCLASSES[exc_type] = type(f"Remote{base.__name__}", (RemoteError, base), {})
+        cls = _REMOTE_SUBCLASSES[exc_type] = type(f"Remote{base.__name__.lstrip('_')}", (RemoteError, base), {})
     err = cls.__new__(cls)
     RemoteError.__init__(err, text, op=op, seq=seq, remote_type=exc_type, remote_message=message)
     return err
