@@ -274,3 +274,20 @@ def test_lstsq_takes_the_drivers_a_gpu_takes(device):
     for driver in ("gelsd", "no_such_driver"):
         with pytest.raises(RuntimeError, match="`driver` other than `gels` is not supported on CUDA"):
             torch.linalg.lstsq(a, b, driver=driver)
+
+
+def test_a_vector_norm_without_an_identity_over_an_empty_reduction_raises_at_the_call(device):
+    """ATen refuses a negative or infinite order over an empty reduction before its kernel; the
+    meta kernel does not, so it raised at the next sync point (test_linalg.py)."""
+    for shape, dim in (((0,), None), ((0, 10), 0), ((10, 0), -1), ((0, 10), (0, 1)), ((0, 10), 1)):
+        for order in (2, 0.5, float("inf"), -1, -0.5, float("-inf")):
+            local, remote = torch.zeros(shape), torch.zeros(shape, device=device)
+            try:
+                expected = torch.linalg.vector_norm(local, order, dim=dim)
+            except RuntimeError as exc:
+                with pytest.raises(RuntimeError) as info:
+                    torch.linalg.vector_norm(remote, order, dim=dim)
+                assert str(info.value) == str(exc)
+            else:
+                assert torch.equal(torch.linalg.vector_norm(remote, order, dim=dim).cpu(), expected)
+    assert torch.ones(2, device=device).sum().item() == 2.0  # nothing left queued to fail later

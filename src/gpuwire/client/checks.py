@@ -429,6 +429,27 @@ def _frexp_out(args, kwargs) -> None:
                            f"{TYPE_META_NAMES.get(exponent.dtype, exponent.dtype)}")
 
 
+def _vector_norm_identity(args, kwargs) -> None:
+    """``linalg.vector_norm``'s refusal of an order without an identity (negative, or inf) over an
+    empty reduction, which ATen checks before its kernel (the meta kernel does not)."""
+    self, order = args[0], _arg(args, kwargs, 1, "ord")
+    order = 2 if order is None else order
+    if not isinstance(self, torch.Tensor) or isinstance(order, complex) or self.numel() \
+            or not (order < 0 or order == math.inf):
+        return
+    text = f"{order:g}" if isinstance(order, float) else str(order)
+    dims = _arg(args, kwargs, 2, "dim")
+    dims = [dims] if isinstance(dims, int) else list(dims or ())
+    if not dims:
+        raise RuntimeError(f"linalg.vector_norm cannot compute the {text} norm on an empty tensor because the "
+                           "operation does not have an identity")
+    for dim in dims:
+        wrapped = dim + self.dim() if dim < 0 else dim
+        if 0 <= wrapped < self.dim() and self.shape[wrapped] == 0:  # (ATen says the dim as given)
+            raise RuntimeError(f"linalg.vector_norm cannot compute the {text} norm on the dimension {dim}because "
+                               "this dimension is empty and the operation does not have an identity")
+
+
 def _lstsq_driver(args, kwargs) -> None:
     """``linalg.lstsq``'s driver, as CUDA's kernel checks it on the host: only ``gels`` (a CPU
     node's LAPACK has more, which a program written for a GPU cannot rely on; the device acts
@@ -798,6 +819,8 @@ MISSED_BY_META = {
     "aten::normal.float_float_out": _normal_second,
     **{f"aten::{fname}.{overload}": _degrees_of_freedom(fname) for fname in ("std", "var", "var_mean", "std_mean")
        for overload in ("correction", "correction_out")},
+    "aten::linalg_vector_norm": _vector_norm_identity,
+    "aten::linalg_vector_norm.out": _vector_norm_identity,
     "aten::linalg_lstsq": _lstsq_driver,
     "aten::linalg_lstsq.out": _lstsq_driver,
     "aten::nansum": _reduction_dims,
@@ -846,6 +869,10 @@ MISSED_BY_META = {
     "aten::heaviside_": _heaviside,
     "aten::heaviside.out": _heaviside,
 }
+
+# checks of a number's value for structured ops, whose cached signatures hold numbers by kind:
+# they run on every call (``DirectPlan.check_every_call``)
+BY_VALUE = frozenset({"aten::linalg_vector_norm", "aten::linalg_vector_norm.out"})
 
 # checks that read only what an op's call signature holds (dtypes, shapes, strides; numbers by
 # their kind): the client's C++ op kernels may serve these ops' later calls, a signature's first

@@ -1145,6 +1145,8 @@ class DirectPlan:
         self.local = False  # set once the op is seen to run on the client alone
         self.known_values = self.name in mirror.OPS  # (client/mirror.py)
         self.value_check = checks.MISSED_BY_META.get(self.name)
+        # (a check of a number's value, which the key holds by kind only: on every call)
+        self.check_every_call = self.value_check is not None and self.name in checks.BY_VALUE
         # positional ``Tensor[]`` arguments (the ``_foreach_`` ops' lists, ``cat``'s): keyed and
         # encoded in one pass (``_call_with_lists``)
         self.list_positions = () if self.known_values else tuple(
@@ -1262,6 +1264,8 @@ class DirectPlan:
     def __call__(self, keyset, *args, **kwargs):
         if self.local:
             return self.composite.call_boxed(keyset, *args, **kwargs)
+        if self.check_every_call:
+            self.value_check(args, kwargs)
         if self.list_positions:
             result = self._call_with_lists(keyset, args, kwargs)
             if result is not NotImplemented:
@@ -1443,7 +1447,8 @@ def _register_direct(aten_library) -> None:
             continue
         plan = DirectPlan(_Schema(schema), computed(qualified, DispatchKey.PrivateUse1))
         _direct_plans.append(plan)
-        kinds = None if tracing else _native_kinds(plan, schema)
+        # (a check of a number's value needs every call: the C++ kernels key numbers by kind)
+        kinds = None if tracing or plan.check_every_call else _native_kinds(plan, schema)
         if kinds is not None:  # (its Python kernel until the native helper takes its place)
             if _op_library is None:
                 _op_library = torch.library.Library("aten", "IMPL")
