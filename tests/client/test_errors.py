@@ -291,3 +291,14 @@ def test_a_vector_norm_without_an_identity_over_an_empty_reduction_raises_at_the
             else:
                 assert torch.equal(torch.linalg.vector_norm(remote, order, dim=dim).cpu(), expected)
     assert torch.ones(2, device=device).sum().item() == 2.0  # nothing left queued to fail later
+
+
+def test_cross_into_one_of_its_inputs_raises_at_the_call(device):
+    x, y = torch.randn(4, 3, device=device), torch.randn(4, 3, device=device)
+    for call in (lambda: torch.cross(x, y, out=x), lambda: torch.linalg.cross(y, x, out=x),
+                 lambda: torch.linalg.cross(x, y, out=y[:, :])):
+        with pytest.raises(RuntimeError, match="input tensor and the written-to tensor refer to a single memory"):
+            call()
+    out = torch.empty(4, 3, device=device)
+    torch.linalg.cross(x, y, out=out)
+    assert torch.equal(out.cpu(), torch.linalg.cross(x.cpu(), y.cpu()))

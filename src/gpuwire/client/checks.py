@@ -450,6 +450,17 @@ def _vector_norm_identity(args, kwargs) -> None:
                                "this dimension is empty and the operation does not have an identity")
 
 
+def _cross_out(args, kwargs) -> None:
+    """``linalg_cross``'s out may not share memory with an input (ATen ``assert_no_overlap``, on the
+    host before the kernel; the meta kernel does not check it)."""
+    out = kwargs.get("out")
+    if not isinstance(out, torch.Tensor):
+        return
+    for operand in (args[0] if args else kwargs.get("self"), _arg(args, kwargs, 1, "other")):
+        if isinstance(operand, torch.Tensor) and overlap(out, operand):
+            raise RuntimeError(OVERLAP_MESSAGE)
+
+
 def _lstsq_driver(args, kwargs) -> None:
     """``linalg.lstsq``'s driver, as CUDA's kernel checks it on the host: only ``gels`` (a CPU
     node's LAPACK has more, which a program written for a GPU cannot rely on; the device acts
@@ -821,6 +832,7 @@ MISSED_BY_META = {
        for overload in ("correction", "correction_out")},
     "aten::linalg_vector_norm": _vector_norm_identity,
     "aten::linalg_vector_norm.out": _vector_norm_identity,
+    "aten::linalg_cross.out": _cross_out,
     "aten::linalg_lstsq": _lstsq_driver,
     "aten::linalg_lstsq.out": _lstsq_driver,
     "aten::nansum": _reduction_dims,
