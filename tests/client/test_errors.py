@@ -302,3 +302,22 @@ def test_cross_into_one_of_its_inputs_raises_at_the_call(device):
     out = torch.empty(4, 3, device=device)
     torch.linalg.cross(x, y, out=out)
     assert torch.equal(out.cpu(), torch.linalg.cross(x.cpu(), y.cpu()))
+
+
+def test_one_call_resizing_two_outs_warns_as_locally(device):
+    """ATen says "An output with one or more elements was resized" for each out it resizes; the
+    program sees what Python's filters make of the two: once by default (the same text at the
+    same line), twice under "always". The client said the second again by default: the shape
+    inference between the two outs changes the filters, which makes Python forget what it showed
+    (test_linalg.py's test_slogdet_errors_and_warnings and test_eigvalsh_errors_and_warnings)."""
+    import warnings
+    for action in ("default", "always"):
+        counts = []
+        for where in ("cpu", device):
+            a = torch.randn(2, 3, 3, device=where)
+            sign, logabsdet = torch.empty(1, device=where), torch.empty(1, device=where)
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter(action)
+                torch.linalg.slogdet(a, out=(sign, logabsdet))
+            counts.append(sum("was resized" in str(w.message) for w in said))
+        assert counts[1] == counts[0], (action, counts)

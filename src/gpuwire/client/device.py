@@ -602,6 +602,18 @@ class MutatingPlan:
         return tuple(_get_arg(args, kwargs, *s) if s else None for s in self.sources)
 
     def _resize_outs(self, op, args, kwargs):
+        """``_resize_each_out``, its resize warnings said once it is done: the shape inference
+        between two outs runs with the warning filters changed, which makes Python forget the
+        warnings it has shown, so the same message for a second out was said twice where a
+        local run says it once (test_linalg.py ``test_slogdet_errors_and_warnings``)."""
+        pending: list = []
+        try:
+            return self._resize_each_out(op, args, kwargs, pending)
+        finally:
+            for message in pending:
+                warnings.warn(message, UserWarning, stacklevel=checks.caller_stacklevel())
+
+    def _resize_each_out(self, op, args, kwargs, pending: list):
         """An out= tensor may have the wrong size (composite kernels pass ``empty(0)``, users
         pass anything); aten resizes it, so we do too, from the cached meta result. Skipped for
         in-place calls and for a fresh non-empty tensor from the structured-kernel path, whose
@@ -645,7 +657,9 @@ class MutatingPlan:
             if position < len(expected) and tuple(out.shape) != expected[position] and not (
                     self.name in RESIZED_ONLY_BY_NUMEL and out.numel() == prod(expected[position])):
                 shape = expected[position]
-                _warn_resized(self.name, out, shape)
+                message = _resized_warning(self.name, out, shape)
+                if message is not None:
+                    pending.append(message)
                 out.resize_(shape)
                 # and restrided as TensorIterator restrides an out it resized, to the layout of
                 # the functional op's result: ``abs``, ``logical_and``, ``complex`` ... pass
@@ -725,21 +739,26 @@ _ARANGE_OUTS = frozenset({"aten::arange.out", "aten::arange.start_out"})  # (the
 def _warn_resized(name: str, out: torch.Tensor, shape) -> None:
     """ATen's warning for an out= tensor it resizes (``resize_output``), said on every such call
     as a local run says it; the meta kernel said it only while the call's layout was inferred."""
+    message = _resized_warning(name, out, shape)
+    if message is not None:
+        warnings.warn(message, UserWarning, stacklevel=checks.caller_stacklevel())
+
+
+def _resized_warning(name: str, out: torch.Tensor, shape) -> str | None:
+    """What ``_warn_resized`` says, or None (an empty out, an op whose kernel resizes silently)."""
     if not out.numel():
-        return
+        return None
     if name in _ARANGE_OUTS:
-        warnings.warn(f"The number of elements in the out tensor of shape {list(out.shape)} is {out.numel()} which "
-                      f"does not match the computed number of elements {prod(shape)}. Note that this may occur as a "
-                      "result of rounding error. The out tensor will be resized to a tensor of shape "
-                      f"({prod(shape)},).", UserWarning, stacklevel=checks.caller_stacklevel())
-    elif name not in _RESIZED_SILENTLY:
-        warnings.warn(f"{_RESIZED_WARNING} since it had shape {list(out.shape)}, which does not match the required "
-                      f"output shape {list(shape)}. This behavior is deprecated, and in a future PyTorch release "
-                      "outputs will not be resized unless they have zero elements. You can explicitly reuse an out "
-                      "tensor t by resizing it, inplace, to zero elements with t.resize_(0).", UserWarning,
-                      stacklevel=checks.caller_stacklevel())
-
-
+        return (f"The number of elements in the out tensor of shape {list(out.shape)} is {out.numel()} which "
+                f"does not match the computed number of elements {prod(shape)}. Note that this may occur as a "
+                "result of rounding error. The out tensor will be resized to a tensor of shape "
+                f"({prod(shape)},).")
+    if name in _RESIZED_SILENTLY:
+        return None
+    return (f"{_RESIZED_WARNING} since it had shape {list(out.shape)}, which does not match the required "
+            f"output shape {list(shape)}. This behavior is deprecated, and in a future PyTorch release "
+            "outputs will not be resized unless they have zero elements. You can explicitly reuse an out "
+            "tensor t by resizing it, inplace, to zero elements with t.resize_(0).")
 
 
 def _check_not_resized(sources, out_shapes, args, kwargs) -> None:
