@@ -20,6 +20,7 @@ import warnings
 
 import torch
 
+from .._aten import check_lu_unpack_pivots
 from . import wire
 
 # c10's ``ScalarType`` names (``toString``), as C++ error messages print a dtype
@@ -461,6 +462,10 @@ def _cross_out(args, kwargs) -> None:
             raise RuntimeError(OVERLAP_MESSAGE)
 
 
+def _lu_unpack(args, kwargs) -> None:
+    check_lu_unpack_pivots(args[0] if args else kwargs.get("LU_data"), _arg(args, kwargs, 1, "LU_pivots"))
+
+
 def _lstsq_driver(args, kwargs) -> None:
     """``linalg.lstsq``'s driver, as CUDA's kernel checks it on the host: only ``gels`` (a CPU
     node's LAPACK has more, which a program written for a GPU cannot rely on; the device acts
@@ -833,6 +838,8 @@ MISSED_BY_META = {
     "aten::linalg_vector_norm": _vector_norm_identity,
     "aten::linalg_vector_norm.out": _vector_norm_identity,
     "aten::linalg_cross.out": _cross_out,
+    "aten::lu_unpack": _lu_unpack,
+    "aten::lu_unpack.out": _lu_unpack,
     "aten::linalg_lstsq": _lstsq_driver,
     "aten::linalg_lstsq.out": _lstsq_driver,
     "aten::nansum": _reduction_dims,

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch._prims_common import suggest_memory_format
 
+from .._aten import check_lu_unpack_pivots
 from .composite import COMPOSITE_OPS, _generator_for, generator_state_on
 
 
@@ -334,6 +335,15 @@ def _modulo_by_zero_like_cuda(op):
     return kernel
 
 
+def _pivots_checked(op):
+    """``lu_unpack`` whose pivots' shape is checked first (``_aten.check_lu_unpack_pivots``: a
+    wrong one crashed the node process, every tenant's session with it)."""
+    def kernel(lu_data, lu_pivots, *args, **kwargs):
+        check_lu_unpack_pivots(lu_data, lu_pivots)
+        return op(lu_data, lu_pivots, *args, **kwargs)
+    return kernel
+
+
 class _NodeKernel:
     """An aten op with a different kernel on one kind of node (same schema, so the node's
     allocation guard treats it as the op itself; on meta tensors it is the op itself)."""
@@ -457,6 +467,9 @@ CPU_NODE_KERNELS = {
                                ("remainder", ("Tensor", "Scalar", "Tensor_out", "Scalar_out")),
                                ("remainder_", ("Tensor", "Scalar")))
        for overload in overloads},
+    **{f"aten::lu_unpack{suffix}": (lambda overload=overload: _NodeKernel(
+        getattr(torch.ops.aten.lu_unpack, overload), _pivots_checked(getattr(torch.ops.aten.lu_unpack, overload))))
+       for suffix, overload in (("", "default"), (".out", "out"))},
     "aten::histc": lambda: _NodeKernel(torch.ops.aten.histc.default, _histc_like_cuda),
     "aten::histc.out": lambda: _NodeKernel(torch.ops.aten.histc.out, _histc_like_cuda),
     "aten::_efficientzerotensor": lambda: _NodeKernel(torch.ops.aten._efficientzerotensor.default,
@@ -536,6 +549,8 @@ CUDA_NODE_KERNELS = {
     "aten::native_group_norm_backward": lambda: _NodeKernel(torch.ops.aten.native_group_norm_backward.default,
                                                             _group_norm_backward_contiguous),
     "aten::_efficientzerotensor": CPU_NODE_KERNELS["aten::_efficientzerotensor"],
+    "aten::lu_unpack": CPU_NODE_KERNELS["aten::lu_unpack"],  # (a read past the pivots: a device fault)
+    "aten::lu_unpack.out": CPU_NODE_KERNELS["aten::lu_unpack.out"],
 }
 
 
