@@ -117,12 +117,13 @@ def test_an_interrupt_in_the_middle_of_a_transfer_loses_nothing(node, durability
     assert "frame header" not in done.stderr  # the stream was never read out of place
 
 
-LONG_QUEUE = textwrap.dedent("""
+# argv: the node, the matrices' size, how many products are queued, when the interrupt comes
+PERMUTATION_PRODUCTS = textwrap.dedent("""
     import os, signal, sys, threading, time
     import torch, gpuwire
     signal.signal(signal.SIGINT, signal.default_int_handler)  # (as above)
     gpuwire.attach(sys.argv[1])
-    n, steps = 1200, 100
+    n, steps, delay = int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
     order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
     perm = torch.eye(n)[order]  # products of permutations stay exact
     start = torch.arange(n * n, dtype=torch.float32).view(n, n) % 1000
@@ -130,8 +131,8 @@ LONG_QUEUE = textwrap.dedent("""
     gpuwire.synchronize()
     t0 = time.monotonic()
     for _ in range(steps):
-        c = c @ p  # seconds of the node's work, queued
-    threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        c = c @ p  # seconds of the node's work, queued (or one product of seconds)
+    threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
     try:
         c.sum().item()
         print("not interrupted")
@@ -153,39 +154,22 @@ def test_an_interrupt_while_the_node_works_through_a_long_queue_keeps_the_sessio
     the node ends the old connection at its next batch boundary instead of making the resume wait
     until the queue is done (past the reconnect grace the session was gone); the commands it had
     not run are resent and run once."""
-    done = subprocess.run([sys.executable, "-c", LONG_QUEUE, node.address], capture_output=True, text=True,
-                          timeout=300, env={**__import__("os").environ, "GPUWIRE_RECONNECT_GRACE": "1"})
+    _interrupted_and_resumed(node, ("1200", "100", "0.3"), grace="1")
+
+
+def _interrupted_and_resumed(node, size_steps_delay: tuple, grace: str):
+    """Run PERMUTATION_PRODUCTS: its wait was interrupted, the session resumed, a small op and the
+    interrupted products came out right. Returns (stdout lines, stderr)."""
+    done = subprocess.run([sys.executable, "-c", PERMUTATION_PRODUCTS, node.address, *size_steps_delay],
+                          capture_output=True, text=True,
+                          timeout=300, env={**__import__("os").environ, "GPUWIRE_RECONNECT_GRACE": grace})
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert lines[0] == "interrupted", (lines, done.stderr[-2000:])
     assert lines[1] == "small: [0.0, 1.0, 2.0]"
     assert lines[2].startswith("chain equal: True"), lines
     assert "restored" in done.stderr
-
-
-ONE_LONG_KERNEL = textwrap.dedent("""
-    import os, signal, sys, threading, time
-    import torch, gpuwire
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # (as above)
-    gpuwire.attach(sys.argv[1])
-    n = 7000  # (6-15 s of one thread: longer than the node's take-over wait and the handshake timeout)
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(0))
-    start = torch.arange(n * n, dtype=torch.float32).view(n, n) % 1000
-    p, c = torch.eye(n)[order].to("gpuwire"), start.to("gpuwire")
-    gpuwire.synchronize()
-    t0 = time.monotonic()
-    c = c @ p  # one kernel of seconds on the node (a permutation: exact)
-    threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
-    try:
-        c.sum().item()
-        print("not interrupted")
-    except KeyboardInterrupt:
-        print("interrupted")
-    print("small:", torch.arange(3.0, device="gpuwire").cpu().tolist())
-    expected = torch.empty_like(start)
-    expected[:, order] = start
-    print("equal:", torch.equal(c.cpu(), expected), "seconds:", round(time.monotonic() - t0, 1))
-""")
+    return lines, done.stderr
 
 
 def test_an_interrupt_during_one_long_kernel_waits_for_it_and_keeps_the_session(node):
@@ -193,14 +177,9 @@ def test_an_interrupt_during_one_long_kernel_waits_for_it_and_keeps_the_session(
     than the reconnect grace: the node cannot end the old connection until the kernel returns and
     says so to the resume; the client waits for it instead of declaring the session lost (every
     remote tensor was gone after 10 s, and every later call raised ConnectionLost)."""
-    done = subprocess.run([sys.executable, "-c", ONE_LONG_KERNEL, node.address], capture_output=True, text=True,
-                          timeout=300, env={**__import__("os").environ, "GPUWIRE_RECONNECT_GRACE": "0.2"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.splitlines()
-    assert lines[0] == "interrupted", (lines, done.stderr[-2000:])
-    assert lines[1] == "small: [0.0, 1.0, 2.0]"
-    assert lines[2].startswith("equal: True"), lines
+    # (one product of 7000x7000 matrices: 6-15 s of one thread, longer than the node's take-over
+    # wait and the client's handshake timeout)
+    lines, stderr = _interrupted_and_resumed(node, ("7000", "1", "0.2"), grace="0.2")
     seconds = float(lines[2].rsplit(" ", 1)[1])
     if seconds > 3:  # the kernel outlasted the grace and the node's 2 s take-over wait: the case itself
-        assert "still running a command of this session" in done.stderr, done.stderr[-2000:]
-    assert "restored" in done.stderr
+        assert "still running a command of this session" in stderr, stderr[-2000:]
