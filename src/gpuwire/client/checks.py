@@ -889,8 +889,9 @@ MISSED_BY_META = {
     "aten::heaviside.out": _heaviside,
 }
 
-# checks of a number's value for structured ops, whose cached signatures hold numbers by kind:
-# they run on every call (``DirectPlan.check_every_call``)
+# checks of a number's value for structured ops, whose cached signatures hold numbers by kind,
+# that can fail only for an empty first argument: they run on every call of the Python path
+# (``DirectPlan.check_every_call``), and a call with an empty input is never left to the C++ kernels
 BY_VALUE = frozenset({"aten::linalg_vector_norm", "aten::linalg_vector_norm.out"})
 
 # checks that read only what an op's call signature holds (dtypes, shapes, strides; numbers by

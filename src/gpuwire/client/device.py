@@ -1466,8 +1466,7 @@ def _register_direct(aten_library) -> None:
             continue
         plan = DirectPlan(_Schema(schema), computed(qualified, DispatchKey.PrivateUse1))
         _direct_plans.append(plan)
-        # (a check of a number's value needs every call: the C++ kernels key numbers by kind)
-        kinds = None if tracing or plan.check_every_call else _native_kinds(plan, schema)
+        kinds = None if tracing else _native_kinds(plan, schema)
         if kinds is not None:  # (its Python kernel until the native helper takes its place)
             if _op_library is None:
                 _op_library = torch.library.Library("aten", "IMPL")
@@ -1615,6 +1614,10 @@ def _native_learn(plan, args, kwargs):
         return result, entry.specs
     result = plan(_PRIVATEUSE1_KEYSET, *args, **kwargs)
     if plan.local or plan.numbers and _numbers_in(plan.numbers, args, kwargs):
+        return result, None
+    if plan.check_every_call and type(args[0]) is torch.Tensor and not args[0].numel():
+        # (the C++ kernels key numbers by kind, and this check reads a number's value, which can
+        # only matter for an empty input: such calls stay Python's, the others are served natively)
         return result, None
     try:
         specs = plan.cache.get(plan.key(args, kwargs))
