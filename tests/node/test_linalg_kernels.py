@@ -6,7 +6,7 @@ when ATen has two or more threads (garbage pivots, MKL's "Parameter 6 was incorr
 to SLASWP"): ``torch.inverse`` of a singular batch raised "Pivots given to lu_solve must all
 be greater or equal to 1" instead of naming the singular element, ``det``/``slogdet`` were
 wrong. A GPU's kernels are right, so a CPU node runs the LU family on one thread
-(``node/session.py`` ``BATCHED_LU_OPS``). The reference here is this process's CPU on one
+(``node/ops.py`` ``BATCHED_LU_OPS``). The reference here is this process's CPU on one
 thread, where the kernels are right.
 
 ``lu_unpack`` of pivots shorter than the LU's crashed the node process (gh-177829)."""

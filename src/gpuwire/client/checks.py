@@ -457,13 +457,13 @@ def _cross_out(args, kwargs) -> None:
     out = kwargs.get("out")
     if not isinstance(out, torch.Tensor):
         return
-    for operand in (args[0] if args else kwargs.get("self"), _arg(args, kwargs, 1, "other")):
+    for operand in (_arg(args, kwargs, 0, "self"), _arg(args, kwargs, 1, "other")):
         if isinstance(operand, torch.Tensor) and overlap(out, operand):
             raise RuntimeError(OVERLAP_MESSAGE)
 
 
 def _lu_unpack(args, kwargs) -> None:
-    check_lu_unpack_pivots(args[0] if args else kwargs.get("LU_data"), _arg(args, kwargs, 1, "LU_pivots"))
+    check_lu_unpack_pivots(_arg(args, kwargs, 0, "LU_data"), _arg(args, kwargs, 1, "LU_pivots"))
 
 
 def _lstsq_driver(args, kwargs) -> None:

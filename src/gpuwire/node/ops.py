@@ -344,6 +344,45 @@ def _pivots_checked(op):
     return kernel
 
 
+# CPU kernels of LU factorisations that are wrong when ATen runs them on more than one thread
+# (torch 2.13.0+cpu, MKL 2024.2: a batch of two or more matrices of ~180 rows or more gets
+# garbage pivots: "Intel oneMKL ERROR: Parameter 6 was incorrect on entry to SLASWP", then
+# ``linalg.inv``/``solve`` raise "Pivots given to lu_solve must all be greater or equal to 1",
+# ``det``/``slogdet`` return wrong values; some sizes hang). A local CPU run with 2 threads
+# has the same bug; a GPU's kernels do not, so a CPU-backend node runs these on one thread.
+BATCHED_LU_OPS = ("linalg_lu_factor_ex", "linalg_lu_factor", "linalg_lu", "_linalg_solve_ex", "linalg_solve_ex",
+                  "linalg_solve", "linalg_inv_ex", "linalg_inv", "_linalg_det", "linalg_det", "det", "_linalg_slogdet",
+                  "linalg_slogdet", "slogdet", "logdet", "linalg_lu_solve", "lu_solve", "linalg_ldl_factor_ex",
+                  "linalg_ldl_solve", "_lu_with_info", "inverse")
+
+
+def _on_one_thread(op):
+    """``op`` with ATen's intra-op threads set to one while it runs (``BATCHED_LU_OPS``)."""
+    def serially(*args, **kwargs):
+        threads = torch.get_num_threads()
+        if threads == 1:
+            return op(*args, **kwargs)
+        torch.set_num_threads(1)
+        try:
+            return op(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+    return serially
+
+
+def _each_overload(names, kernel_for) -> dict:
+    """{qualified name: factory of a ``_NodeKernel``} for every overload of the aten ops ``names``,
+    its kernel ``kernel_for(overload)``."""
+    table = {}
+    for name in names:
+        packet = getattr(torch.ops.aten, name)
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            table[f"aten::{name}" if overload == "default" else f"aten::{name}.{overload}"] = \
+                lambda op=op: _NodeKernel(op, kernel_for(op))
+    return table
+
+
 class _NodeKernel:
     """An aten op with a different kernel on one kind of node (same schema, so the node's
     allocation guard treats it as the op itself; on meta tensors it is the op itself)."""
@@ -467,9 +506,8 @@ CPU_NODE_KERNELS = {
                                ("remainder", ("Tensor", "Scalar", "Tensor_out", "Scalar_out")),
                                ("remainder_", ("Tensor", "Scalar")))
        for overload in overloads},
-    **{f"aten::lu_unpack{suffix}": (lambda overload=overload: _NodeKernel(
-        getattr(torch.ops.aten.lu_unpack, overload), _pivots_checked(getattr(torch.ops.aten.lu_unpack, overload))))
-       for suffix, overload in (("", "default"), (".out", "out"))},
+    **_each_overload(("lu_unpack",), _pivots_checked),
+    **_each_overload(BATCHED_LU_OPS, _on_one_thread),
     "aten::histc": lambda: _NodeKernel(torch.ops.aten.histc.default, _histc_like_cuda),
     "aten::histc.out": lambda: _NodeKernel(torch.ops.aten.histc.out, _histc_like_cuda),
     "aten::_efficientzerotensor": lambda: _NodeKernel(torch.ops.aten._efficientzerotensor.default,

@@ -725,10 +725,8 @@ class Session:
             kind = _OP_KINDS.get(name)
             if kind is None:
                 kind = _OP_KINDS[name] = _op_kind(name, fn)
-            call, loop_eligible = _direct(fn), _loop_eligible(name, fn, kind)
-            if self._one_thread_only(name):
-                call, loop_eligible = _on_one_thread(call), False
-            entry = self._op_entries[name] = (fn, call, kind, _number_list_slots(fn), loop_eligible)
+            entry = self._op_entries[name] = (fn, _direct(fn), kind, _number_list_slots(fn),
+                                              _loop_eligible(name, fn, kind))
         fn, call, kind, number_lists, loop_eligible = entry
         args, kwargs, outs = event.args, event.kwargs, event.outs
         if number_lists:
@@ -935,10 +933,6 @@ class Session:
             src = src.cpu()
         return memoryview(src.numpy())
 
-    def _one_thread_only(self, name: str) -> bool:
-        """Whether op ``name`` runs on one intra-op thread here (``BATCHED_LU_OPS``)."""
-        return self.device.type == "cpu" and name.partition(".")[0] in BATCHED_LU_OPS
-
     def _call_sync(self, event: CallSync):
         fn = self.ops.resolve(event.name)
         slots = _SYNC_NUMBER_LISTS.get(event.name)
@@ -967,10 +961,7 @@ class Session:
             if event.name in SESSION_OPS:
                 CURRENT.session = self
             try:
-                if self._one_thread_only(event.name):
-                    result = _on_one_thread(fn)(*event.args, **event.kwargs)
-                else:
-                    result = fn(*event.args, **event.kwargs)
+                result = fn(*event.args, **event.kwargs)
             except (RuntimeError, NotImplementedError) as exc:  # (as in ``_run_op``)
                 if self._device_index != -1 or not LOW_PRECISION_REFUSED.search(str(exc)):
                     raise
@@ -1211,35 +1202,6 @@ def _refuse_tensors_as_number_lists(name: str, slots, args, kwargs) -> None:
         if type(value) is _TENSOR and value.numel() > _MAX_NUMBER_LIST:
             raise SessionError(f"{name}: argument {argument!r} takes a list of numbers, not a tensor of "
                                f"{value.numel()} elements")
-
-
-# CPU kernels of LU factorisations that are wrong when ATen runs them on more than one thread
-# (torch 2.13.0+cpu, MKL 2024.2: a batch of two or more matrices of ~180 rows or more gets
-# garbage pivots: "Intel oneMKL ERROR: Parameter 6 was incorrect on entry to SLASWP", then
-# ``linalg.inv``/``solve`` raise "Pivots given to lu_solve must all be greater or equal to 1",
-# ``det``/``slogdet`` return wrong values; some sizes hang). A local CPU run with 2 threads
-# has the same bug; a GPU's kernels do not, so a CPU-backend node runs these on one thread.
-BATCHED_LU_OPS = frozenset({
-    "aten::linalg_lu_factor_ex", "aten::linalg_lu_factor", "aten::linalg_lu", "aten::lu_unpack",
-    "aten::_linalg_solve_ex", "aten::linalg_solve_ex", "aten::linalg_solve", "aten::linalg_inv_ex",
-    "aten::linalg_inv", "aten::_linalg_det", "aten::linalg_det", "aten::det", "aten::_linalg_slogdet",
-    "aten::linalg_slogdet", "aten::slogdet", "aten::logdet", "aten::linalg_lu_solve", "aten::lu_solve",
-    "aten::linalg_ldl_factor_ex", "aten::linalg_ldl_solve", "aten::_lu_with_info", "aten::inverse",
-})
-
-
-def _on_one_thread(call):
-    """``call`` with ATen's intra-op threads set to one while it runs (``BATCHED_LU_OPS``)."""
-    def serially(*args, **kwargs):
-        threads = torch.get_num_threads()
-        if threads == 1:
-            return call(*args, **kwargs)
-        torch.set_num_threads(1)
-        try:
-            return call(*args, **kwargs)
-        finally:
-            torch.set_num_threads(threads)
-    return serially
 
 
 def _loop_eligible(name: str, fn, kind: str) -> bool:
