@@ -113,6 +113,7 @@ def serve(
     server = NodeServer(host, port, backend=chosen, token=token, max_sessions=max_sessions, idle_timeout=idle_timeout,
                         handshake_timeout=handshake_timeout,
                         session_memory=budget, tls=tls)
+    server.restarted_after = os.environ.get("GPUWIRE_NODE_RESTARTED_AFTER") or None
     try:
         bound_host, bound_port = server.adopt_listener(listen_fd) if listen_fd is not None else server.bind()
     except OSError as exc:

@@ -419,6 +419,52 @@ def test_run_without_a_node_starts_an_embedded_one_and_stops_it():
         socket.create_connection((host, int(port)), timeout=2).close()
 
 
+CRASHING_PROGRAM = textwrap.dedent("""
+    import os, signal, time, torch
+
+    def node_pid():  # the embedded node: the launcher's child serving the device
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    serving = b"serve" in f.read()
+            except OSError:
+                continue
+            if parent == os.getppid() and serving:
+                return int(entry)
+
+    x = torch.arange(6.0, device="cuda")
+    print("before", (x * 2).sum().item(), flush=True)
+    os.kill(node_pid(), signal.SIGSEGV)
+    time.sleep(0.3)
+    try:
+        (x * 2).sum().item()
+    except Exception as e:
+        print("lost:", type(e).__name__, e, flush=True)
+    y = torch.arange(6.0, device="cuda")
+    print("after", (y * 3).sum().item(), node_pid() is not None, flush=True)
+""")
+
+
+def test_run_starts_its_embedded_node_again_when_a_kernel_crashes_it():
+    # a `gpuwire run pytest ...` of a suite: one test whose kernel crashes the node must not fail
+    # every later test; and the node that replaced it goes away with the run too
+    env = {k: v for k, v in os.environ.items() if k not in ("GPUWIRE_NODE", "GPUWIRE_TOKEN")}
+    done = subprocess.run([sys.executable, "-m", "gpuwire", "run", "--", sys.executable, "-c", CRASHING_PROGRAM],
+                          capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "before 30.0" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert re.search(r"lost: ConnectionLost .*the node restarted after its previous process \(pid \d+\) ended: "
+                     r"killed by SIGSEGV", done.stdout), done.stdout + done.stderr[-3000:]
+    assert "after 45.0 True" in done.stdout, done.stdout + done.stderr[-3000:]
+    address = re.search(r"started an embedded node at (\S+)", done.stderr).group(1)
+    host, port = address.rsplit(":", 1)
+    import socket
+    with pytest.raises(OSError):
+        socket.create_connection((host, int(port)), timeout=2).close()
+
+
 def test_cli_commands_that_need_no_torch_do_not_import_it():
     # `gpuwire --help` took 1.8 s on this machine, most of it importing torch
     done = subprocess.run([sys.executable, "-m", "gpuwire", "--help"], capture_output=True, text=True, timeout=60,

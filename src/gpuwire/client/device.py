@@ -38,7 +38,7 @@ from ..protocol import codec
 from ..protocol.codec import dense_layout
 from . import checks, host_ops, meta_kernels, mirror, native, precision, wire
 from .errors import ConnectionLost
-from .runtime import Runtime
+from .runtime import LOST_SESSION, Runtime
 from .wire import CODE_DTYPE, DTYPE_CODE
 
 DEVICE_TYPE = wire.DEVICE_TYPE
@@ -61,7 +61,7 @@ _PLANS: dict = {}
 
 def runtime() -> Runtime:
     rt = _runtime
-    if rt is None:
+    if rt is None or rt._dead is not None:
         rt = _connect_default()
     return rt
 
@@ -87,16 +87,35 @@ def default_node() -> tuple:
 
 
 def _connect_default() -> Runtime:
+    """The session ops go to: the current one, else a new one with this process's node (the
+    same node again where the last session was lost)."""
     with _runtime_lock:  # (``_set_runtime`` assigns the global)
-        if _runtime is not None:
-            return _runtime
-        address, token = default_node()
+        lost = _runtime
+        if lost is not None:
+            if lost._dead is None or lost.recovery.busy:
+                return lost
+            address, token = _after_loss(lost)
+        else:
+            address, token = default_node()
         if not address:
             from .embedded import start_embedded_node
             address, token = start_embedded_node()
         native.install()  # (once, before the first connection: its encoders; else Python's)
         _set_runtime(Runtime(address, token=token))
         return _runtime
+
+
+def _after_loss(lost: Runtime) -> tuple:
+    """(address, token) for the session after ``lost``, which ended with the loss of its
+    connection: the program heard why from the call that found it, and carries on (a test suite's
+    next test, a notebook's next cell) on a new session with the same node, which its supervisor
+    may have restarted (the embedded node's parent does: ``embedded.py``). Tensors of the lost
+    session say so where they are used (``runtime.ENDED_SESSIONS``)."""
+    if lost._first_address is not None:  # (once: a failed connection below is tried again next call)
+        lost.close(ended=LOST_SESSION)
+        print(f"gpuwire: starting a new session on node {lost.address}; the previous one was lost, and every "
+              "device tensor made in it with it", file=sys.stderr, flush=True)
+    return lost.address, lost.token
 
 
 def _forget_runtime_in_child() -> None:
@@ -181,7 +200,10 @@ def detach() -> None:
 
 
 def current_runtime() -> Runtime | None:
-    return _runtime
+    """This process's session, or None before the first use and once it was lost (the next
+    use starts another: ``runtime``)."""
+    rt = _runtime
+    return rt if rt is not None and rt._dead is None else None
 
 
 # ---------------------------------------------------------------- tensors on the device
@@ -1260,7 +1282,7 @@ class DirectPlan:
         if self.numbers:
             encoded_args, kwargs = _numbers_as_tensors(self.numbers, encoded_args, kwargs)
         rt = _runtime
-        if rt is None:
+        if rt is None or rt._dead is not None:
             rt = runtime()
         with rt.lock:
             if rt.mirror:  # (see ``queue_op``)
@@ -1299,7 +1321,7 @@ class DirectPlan:
         if self.numbers:
             args, kwargs = _numbers_as_tensors(self.numbers, args, kwargs)
         rt = _runtime
-        if rt is None:
+        if rt is None or rt._dead is not None:
             rt = runtime()
         if self.inplace:
             with rt.lock:
@@ -2812,10 +2834,6 @@ def _strided_nested_refused(op, *args, **kwargs):
         f"gpuwire: nested tensors of the strided layout are not supported on the gpuwire device ({op}); "
         "make them with torch.nested.nested_tensor(..., layout=torch.jagged), which PyTorch recommends and "
         "gpuwire runs, or pad to a dense batch")
-
-
-def runtime_or_none() -> Runtime | None:
-    return _runtime
 
 
 def set_pending_seed(seed: int) -> None:

@@ -78,6 +78,7 @@ class Recovery:
         # (a fault on the node's side that this command triggers) must end in an error, not loop
         self._fruitless = 0
         self._refusal = ""  # the last resume refusal's words (why the node ended the session, if it said)
+        self._unanswered = ""  # why the last resume got no answer, where known
         self._resumed_at_seq = None
         self.stats = {"reconnects": 0, "rebuilds": 0, "migrations": 0, "checkpoints": 0,
                       "checkpoint_seconds": 0.0, "last_recovery_seconds": None, "last_migration_pause": None}
@@ -94,6 +95,11 @@ class Recovery:
         self._ready = True
         if self.rt.resume_key is None and self.mode != "none":
             self.logging = self.mode == "checkpoint"  # an old node keeps no session to resume
+
+    @property
+    def busy(self) -> bool:
+        """Recovering the connection now (it may look lost meanwhile)."""
+        return self._busy
 
     @property
     def can_recover(self) -> bool:
@@ -201,14 +207,19 @@ class Recovery:
                      f"({cause}); nothing lost")
                 return
             if self.mode != "checkpoint":
-                why = ("the node no longer has this session" if outcome is False
-                       else f"no answer within {self.grace:g} s")
+                if outcome is False:
+                    restarted = self._refusal.partition("unknown session: ")[2]
+                    why = restarted if restarted.startswith("the node restarted") else \
+                        "the node no longer has this session"
+                else:
+                    why = self._unanswered or f"no answer within {self.grace:g} s"
                 ended = self._refusal.partition("the node ended it: ")[2] if outcome is False else ""
                 if ended:  # (its Goodbye was lost with the connection: the resume refusal carries it)
                     raise rt._lost(ConnectionError(f"the node ended the session: {ended}")) from None
                 raise rt._lost(cause, f"lost the connection to gpuwire node {lost_address} ({cause}) and could "
-                                      f"not reconnect: {why}. Remote tensors of this session are gone; run with "
-                                      "GPUWIRE_DURABILITY=checkpoint to survive the loss of a node")
+                                      f"not reconnect: {why}. Remote tensors of this session are gone (the next use "
+                                      "of the device starts a new session); run with GPUWIRE_DURABILITY=checkpoint "
+                                      "to survive the loss of a node")
             self._rebuild_somewhere(outcome, started + max(self.grace, 5.0))
             seconds = time.monotonic() - started
             self.stats["rebuilds"] += 1
@@ -226,6 +237,7 @@ class Recovery:
         connections while a pool can give us another one)."""
         rt = self.rt
         delay, refused_since, said_busy = 0.05, None, False
+        self._unanswered = ""
         while True:
             try:
                 welcome = self._open(rt.address, rt.token, resume={
@@ -250,6 +262,7 @@ class Recovery:
                 refused_since = refused_since or time.monotonic()
                 # nothing listens there: the node process is gone, and the session with it
                 if self.mode == "reconnect" and time.monotonic() - refused_since > 1.0:
+                    self._unanswered = "nothing listens there any more (the node's process ended)"
                     return None
                 if self._pool_available() and time.monotonic() - refused_since > 0.5:
                     return None

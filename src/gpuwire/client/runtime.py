@@ -133,12 +133,17 @@ INHERITED_BELOW = [0]
 # session starts above them all, so that a tensor left over from an ended session names no storage
 # of the new one and says so (``_failed``): both started at FIRST_ADDRESS, and such a tensor read
 # and wrote the new session's storage of the same id, another tensor's values
-ENDED_SESSIONS: list[tuple[int, int, str]] = []
+ENDED_SESSIONS: list[tuple[int, int, str, str]] = []  # (first, end, node, how it ended)
 _UNALLOCATED = re.compile(r"storage (0x[0-9a-f]+) is not allocated in this session")
 ENDED_SESSION_MESSAGE = (
-    "this device tensor was made in an earlier gpuwire session of this process, on node {node}, which ended "
-    "when the process attached again (gpuwire.attach or detach, %gpuwire attach); its memory ended with that "
-    "session. Copy tensors to the host (t.cpu()) before switching nodes and back (t.to(device)) after")
+    "this device tensor was made in an earlier gpuwire session of this process, on node {node}, which {how}; "
+    "its memory ended with that session. {advice}")
+# how a session ended, and what to do about its tensors
+DETACHED_SESSION = ("ended when the process attached again (gpuwire.attach or detach, %gpuwire attach)",
+                    "Copy tensors to the host (t.cpu()) before switching nodes and back (t.to(device)) after")
+LOST_SESSION = ("was lost with its connection to the node (the error then said why)",
+                "Make the tensor again (a model's parameters and an optimizer's state: load them from a checkpoint, "
+                "or run with GPUWIRE_DURABILITY=checkpoint to survive the loss of a node)")
 FORKED_CHILD_MESSAGE = (
     "Cannot re-initialize CUDA in forked subprocess. To use CUDA with multiprocessing, you must use the "
     "'spawn' start method (gpuwire: this device tensor was made by the parent process before it forked; a "
@@ -209,7 +214,7 @@ class Runtime:
         # (a forked child starts above what its parent had given out: a tensor it inherited
         # then names no storage of its own session, and says so: ``_failed``)
         # (and above what every session this process ended had: ``ENDED_SESSIONS``)
-        self._next_address = max(FIRST_ADDRESS, INHERITED_BELOW[0], *(end for _, end, _ in ENDED_SESSIONS))
+        self._next_address = max(FIRST_ADDRESS, INHERITED_BELOW[0], *(ended[1] for ended in ENDED_SESSIONS))
         self._first_address = self._next_address
         self._live: dict[int, StorageRef] = {}
         self._live_bytes: dict[int, int] = {}
@@ -288,10 +293,11 @@ class Runtime:
         return Hello(client_version=__version__, token=token, capabilities=["sync-ops", "resume", "warnings"],
                      options=options)
 
-    def close(self) -> None:
+    def close(self, ended: tuple[str, str] = DETACHED_SESSION) -> None:
+        """End the session (``ended``: how, for its tensors' errors, and what to do about them)."""
         with self.lock:
             if self._first_address is not None:
-                ENDED_SESSIONS.append((self._first_address, self._next_address, self.address))
+                ENDED_SESSIONS.append((self._first_address, self._next_address, self.address, ended))
                 self._first_address = None
             if self._dead is None:
                 try:
@@ -538,10 +544,10 @@ class Runtime:
         unallocated = _UNALLOCATED.match(error.message) if error.exc_type == "SessionError" else None
         if unallocated:
             storage_id = int(unallocated.group(1), 16)
-            for first, end, node in ENDED_SESSIONS:
+            for first, end, node, (how, advice) in ENDED_SESSIONS:
                 if first <= storage_id < end:
-                    return remote_error(error.op, error.seq, "RuntimeError", ENDED_SESSION_MESSAGE.format(node=node),
-                                        self.address)
+                    return remote_error(error.op, error.seq, "RuntimeError",
+                                        ENDED_SESSION_MESSAGE.format(node=node, how=how, advice=advice), self.address)
             if storage_id < INHERITED_BELOW[0]:
                 return remote_error(error.op, error.seq, "RuntimeError", FORKED_CHILD_MESSAGE, self.address)
         return remote_error(error.op, error.seq, error.exc_type, error.message, self.address)

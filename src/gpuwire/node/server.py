@@ -105,6 +105,9 @@ class NodeServer:
         self.frame_timeout = 60.0  # most seconds one command may take to arrive once it started
         self.max_resume_grace = 120.0  # longest a durable session waits for its client to reconnect
         self.draining: dict | None = None  # {"reason", "deadline"} while the pool drains this node
+        # why this node's previous process ended, where its supervisor restarted it (the embedded
+        # node's parent: ``GPUWIRE_NODE_RESTARTED_AFTER``): said to clients that ask to resume
+        self.restarted_after: str | None = None
         self._sockets: dict[str, socket.socket] = {}
         self.rng = RngOwner(self.backend)
         self.scheduler = FairScheduler()
@@ -338,6 +341,8 @@ class NodeServer:
         """A client reconnects to its durable session (after a network cut, or to one a draining
         node moved here): check the key, detach the old connection, hand the session over."""
         unknown = "unknown session: it expired, was moved, or the node restarted (rebuild it)"
+        if self.restarted_after:
+            unknown = f"unknown session: the node restarted after {self.restarted_after}; its sessions were lost with it"
         if not isinstance(resume, dict) or not isinstance(resume.get("session"), str):
             return None, "malformed resume request"
         with self._lock:
