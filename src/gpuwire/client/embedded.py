@@ -131,8 +131,9 @@ def how_it_ended(returncode: int) -> str:
             name = signal.Signals(-returncode).name
         except ValueError:
             name = f"signal {-returncode}"
-        hint = {"SIGSEGV": "a kernel crashed", "SIGBUS": "a kernel crashed", "SIGABRT": "a kernel aborted",
-                "SIGILL": "a kernel crashed", "SIGFPE": "a kernel crashed",
+        crashed = "a kernel crashed; with GPUWIRE_SYNC=1 the line whose op crashed it raises"
+        hint = {"SIGSEGV": crashed, "SIGBUS": crashed, "SIGILL": crashed, "SIGFPE": crashed,
+                "SIGABRT": crashed.replace("crashed;", "aborted;"),
                 "SIGKILL": "the out-of-memory killer, or a kill -9"}.get(name)
         return f"killed by {name}" + (f" ({hint})" if hint else "")
     return f"exited with status {returncode}"
