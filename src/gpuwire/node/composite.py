@@ -17,9 +17,15 @@ import torch
 def resolve_aten(name: str, device_type: str = "cpu"):
     from .ops import CPU_NODE_KERNELS, CUDA_NODE_KERNELS, OpRefused, _resolve  # ops imports this module
 
+    from .guards import CHECKED_PER_SIGNATURE, guarded
+    from .ops import _NodeKernel
+
     if not isinstance(name, str) or not name.startswith("aten::"):
         raise OpRefused(f"only aten ops can be recomputed, not {name!r}")
-    return _resolve(name, CUDA_NODE_KERNELS if device_type == "cuda" else CPU_NODE_KERNELS)
+    op = _resolve(name, CUDA_NODE_KERNELS if device_type == "cuda" else CPU_NODE_KERNELS)
+    check = CHECKED_PER_SIGNATURE.get(name[6:].partition(".")[0])
+    # (an op run inside a composite never runs in the native loop: checked on every call)
+    return op if check is None else _NodeKernel(op, guarded(op, check, op))
 
 
 def _generator_for(device: torch.device) -> torch.Generator:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch._prims_common import suggest_memory_format
 
 from .._aten import check_lu_unpack_pivots
+from .guards import GUARDS, guarded, signature_check
 from .composite import COMPOSITE_OPS, _generator_for, generator_state_on
 
 
@@ -34,6 +35,11 @@ DENIED_ATEN = frozenset({
     "_debug_has_internal_overlap", "_unsafe_set_version_counter", "_copy_from", "_copy_from_and_resize",
     "resize_", "resize_as_", "_resize_output_", "_unsafe_index_put",
 })
+# families refused by the start of their names: fbgemm's packed weights are a raw host pointer
+# kept in a tensor (a forged one is read and written through; packing returns a heap address),
+# and the Sobol engine's kernels index its direction numbers by unchecked arguments (a local
+# ``torch.quasirandom.SobolEngine`` keeps its state on the host, never on a device)
+DENIED_ATEN_PREFIXES = ("fbgemm_", "_sobol_engine_")
 
 
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -335,6 +341,49 @@ def _modulo_by_zero_like_cuda(op):
     return kernel
 
 
+def _truncated_division_like_cuda(op):
+    """``div(..., rounding_mode="trunc")`` of signed integers on a CPU node: the one quotient that
+    overflows, the type's minimum divided by -1, traps on x86 (SIGFPE: the node process died, and
+    every tenant's session with it; a local CPU run dies too) where a GPU wraps to the minimum, as
+    ``floor`` rounding and ``//`` give it on CPU too. Divisors of -1 are computed as a negation;
+    any other call is the op's own, at the cost of one comparison of the divisor with -1."""
+    def kernel(*args, **kwargs):
+        dividend, divisor = args[0], args[1]
+        if kwargs.get("rounding_mode", args[2] if len(args) > 2 else None) != "trunc" \
+                or not isinstance(dividend, torch.Tensor) or dividend.device.type != "cpu":
+            return op(*args, **kwargs)
+        dtype = torch.result_type(dividend, divisor)
+        if dtype.is_floating_point or dtype.is_complex or dtype is torch.bool or not dtype.is_signed:
+            return op(*args, **kwargs)
+        minus_one = divisor == -1
+        if not (bool(minus_one.any()) if isinstance(minus_one, torch.Tensor) else minus_one):
+            return op(*args, **kwargs)
+        negated = torch.neg(dividend.to(dtype))  # (before the call: in place, it is overwritten)
+        safe = divisor.masked_fill(minus_one, 1) if isinstance(divisor, torch.Tensor) else 1
+        result = op(dividend, safe, *args[2:], **kwargs)
+        result.copy_(torch.where(torch.as_tensor(minus_one), negated.to(result.dtype), result))
+        return result
+    return kernel
+
+
+def _truncated_division_chooser(op):
+    """A CPU node's per-signature choice for ``div``/``div_`` with a rounding mode: the kernel
+    above for a signed integer ``trunc`` division (on every call: its values decide), None (the
+    op itself, which the native loop may run) for the rest (``floor`` is common in models)."""
+    checked = _truncated_division_like_cuda(op)
+
+    def choose(args, kwargs):
+        if kwargs.get("rounding_mode", args[2] if len(args) > 2 else None) != "trunc" or len(args) < 2:
+            return None
+        dtype = torch.result_type(args[0], args[1])
+        return None if dtype.is_floating_point or dtype.is_complex or not dtype.is_signed else checked
+    return choose
+
+
+TRUNCATED_DIVISIONS = frozenset({"aten::div.Tensor_mode", "aten::div.Scalar_mode", "aten::div.out_mode",
+                                 "aten::div.Scalar_mode_out", "aten::div_.Tensor_mode", "aten::div_.Scalar_mode"})
+
+
 def _pivots_checked(op):
     """``lu_unpack`` whose pivots' shape is checked first (``_aten.check_lu_unpack_pivots``: a
     wrong one crashed the node process, every tenant's session with it)."""
@@ -508,6 +557,7 @@ CPU_NODE_KERNELS = {
        for overload in overloads},
     **_each_overload(("lu_unpack",), _pivots_checked),
     **_each_overload(BATCHED_LU_OPS, _on_one_thread),
+
     "aten::histc": lambda: _NodeKernel(torch.ops.aten.histc.default, _histc_like_cuda),
     "aten::histc.out": lambda: _NodeKernel(torch.ops.aten.histc.out, _histc_like_cuda),
     "aten::_efficientzerotensor": lambda: _NodeKernel(torch.ops.aten._efficientzerotensor.default,
@@ -660,18 +710,49 @@ GPUWIRE_OPS = {
 }
 
 
+def _with_guards(kernels: dict) -> dict:
+    """``kernels`` plus every overload of the ops ``guards.GUARDS`` checks, each checked before
+    its kernel (the node's own where it has one)."""
+    table = dict(kernels)
+    for name, check in GUARDS.items():
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is None:  # (an op of another torch version)
+            continue
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            qualified = f"aten::{name}" if overload == "default" else f"aten::{name}.{overload}"
+            own = table.get(qualified)
+            table[qualified] = lambda op=op, own=own, check=check: _NodeKernel(
+                op, guarded(op, check, own()._kernel if own is not None else op))
+    return table
+
+
+CPU_NODE_KERNELS = _with_guards(CPU_NODE_KERNELS)
+CUDA_NODE_KERNELS = _with_guards(CUDA_NODE_KERNELS)
+
+
 class OpTable:
     """Resolves op names to callables, with a cache (one dict lookup on the hot path)."""
 
     def __init__(self, backend_kind: str = "cpu"):
         self._cache: dict[str, object] = {}
         self._own_kernels = CUDA_NODE_KERNELS if backend_kind == "cuda" else CPU_NODE_KERNELS
+        self._backend_kind = backend_kind
 
     def resolve(self, name: str):
         fn = self._cache.get(name)
         if fn is None:
             fn = self._cache[name] = _resolve(name, self._own_kernels)
         return fn
+
+    def signature_check(self, name: str, fn):
+        """What to check of op ``name``'s arguments on the Python path, which the native loop
+        follows per signature (``guards.CHECKED_PER_SIGNATURE``), or None. A check raises, or
+        returns None, or a kernel to run instead, on every call of that signature (the loop
+        never learns it)."""
+        if self._backend_kind == "cpu" and name in TRUNCATED_DIVISIONS:
+            return _truncated_division_chooser(fn)
+        return signature_check(name, fn)
 
 
 def _resolve(name: str, own_kernels: dict):
@@ -683,7 +764,7 @@ def _resolve(name: str, own_kernels: dict):
     if not sep or namespace != "aten":
         raise OpRefused(f"op {name!r} is refused: a gpuwire node runs only ops of the aten namespace")
     packet_name, _, overload = qualified.partition(".")
-    if qualified in DENIED_ATEN or packet_name in DENIED_ATEN:
+    if qualified in DENIED_ATEN or packet_name in DENIED_ATEN or packet_name.startswith(DENIED_ATEN_PREFIXES):
         raise OpRefused(f"op {name!r} is refused: it has host side effects or raw memory access")
     if not packet_name.isidentifier() or (overload and not overload.isidentifier()):
         raise OpRefused(f"op name {name!r} is malformed")

@@ -199,7 +199,7 @@ class Session:
         self._device_index = -1 if self.device.type == "cpu" else (self.device.index or 0)
         self._overwriting = None  # storage id an op is filling in place of zeroing it
         self._thread = None  # the thread that last ran this session's commands
-        self._op_entries: dict = {}  # op name -> (resolved op, what to call, guard kind)
+        self._op_entries: dict = {}  # op name -> (resolved op, what to call, guard kind, ..., per-signature check)
         # SDPA graphs kept for their backward (``ops._sdpa_keep``): handle storage data_ptr ->
         # (weak ref to the handle storage, output, inputs, bytes the graph saved)
         self._kept: dict = {}
@@ -726,11 +726,15 @@ class Session:
             if kind is None:
                 kind = _OP_KINDS[name] = _op_kind(name, fn)
             entry = self._op_entries[name] = (fn, _direct(fn), kind, _number_list_slots(fn),
-                                              _loop_eligible(name, fn, kind))
-        fn, call, kind, number_lists, loop_eligible = entry
+                                              _loop_eligible(name, fn, kind), self.ops.signature_check(name, fn))
+        fn, call, kind, number_lists, loop_eligible, check = entry
         args, kwargs, outs = event.args, event.kwargs, event.outs
         if number_lists:
             _refuse_tensors_as_number_lists(name, number_lists, args, kwargs)
+        if check is not None:  # (before the loop learns the signature: node/guards.py)
+            instead = check(args, kwargs)
+            if instead is not None:
+                call, loop_eligible = instead, False
         fresh = self._guard_allocation(event, fn, kind)
         out_state = None
         if kind is _OUT and not outs:
@@ -845,6 +849,7 @@ class Session:
                     f"the kernel returned an output of shape {list(tensor.shape)} where the client's shape "
                     f"inference (the op's meta kernel) predicted {list(sizes)}; the meta kernel disagrees "
                     f"with the {self.device.type} kernel for these arguments")
+            _check_inside_storage(tensor)
             fixed = torch.empty_strided(sizes, strides, dtype=dtype, device=self.device)
             fixed.copy_(tensor)
             tensor = fixed
@@ -939,6 +944,10 @@ class Session:
         if slots is None:  # (a name ``resolve`` accepted: one entry an aten op at most)
             slots = _SYNC_NUMBER_LISTS[event.name] = _number_list_slots(fn)
         _refuse_tensors_as_number_lists(event.name, slots, event.args, event.kwargs)
+        check = self.ops.signature_check(event.name, fn)
+        instead = check(event.args, event.kwargs) if check is not None else None
+        if instead is not None:
+            fn = instead
         self._guard_allocation(event, fn)
         # an out= tensor the kernel resizes (``nonzero(x, out=empty)``) grows its storage in place:
         # charged as it was, its release took more than it had charged (-64 bytes a session)
@@ -989,6 +998,7 @@ class Session:
 
     def _encode_result(self, value):
         if isinstance(value, torch.Tensor):
+            _check_inside_storage(value)
             if value.device != self.device and value.device.type != "cpu":
                 value = value.to(self.device)
             if value.device.type == "cpu" and self.device.type != "cpu":
@@ -1436,6 +1446,24 @@ def _measure(made: list, before: list, result) -> tuple:
             known.add(storage._cdata)
             fresh += storage.nbytes()
     return fresh, grown, resized
+
+
+def _check_inside_storage(tensor) -> None:
+    """A kernel's result must lie inside its storage before the node copies or keeps it: a view
+    op that checks nothing (``_reshape_alias``, node/guards.py) made one reaching past its
+    storage, and the copy read other memory of the node (other tenants' tensors among it)."""
+    if not tensor.numel():
+        return
+    lowest = highest = tensor.storage_offset()
+    for size, stride in zip(tensor.shape, tensor.stride()):
+        if stride < 0:
+            lowest += (size - 1) * stride
+        else:
+            highest += (size - 1) * stride
+    if lowest < 0 or (highest + 1) * tensor.element_size() > tensor.untyped_storage().nbytes():
+        raise SessionError(f"gpuwire: a kernel returned a view (offset {tensor.storage_offset()}, sizes "
+                           f"{list(tensor.shape)}, strides {list(tensor.stride())}) reaching outside its storage of "
+                           f"{tensor.untyped_storage().nbytes()} bytes; refused")
 
 
 def _recomputed_op(name: str, args):
