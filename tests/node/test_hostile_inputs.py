@@ -90,6 +90,11 @@ HOSTILE = textwrap.dedent("""
         "attention's qkv bias too short": lambda: aten._transform_bias_rescale_qkv(R(2, 4, 24), R(3), 2),
         "weight norm backward, norms too short": lambda: aten._weight_norm_interface_backward(
             R(4, 3), R(4, 3), R(1), R(1), 0),
+        "embedding_bag with decreasing offsets (read other memory)": lambda: torch.nn.functional.embedding_bag(
+            T([0, 1, 2, 3]), R(4, 3), T([0, 3, 1])),
+        "grid sampler's CPU fallback with a NaN grid": lambda: raw(
+            "aten::_grid_sampler_2d_cpu_fallback", R(1, 1, 4, 4), torch.full((1, 2, 2, 2), float("nan"), device=D),
+            0, 0, False),
         "fbgemm packed weights (a raw pointer)": lambda: raw("aten::fbgemm_pack_gemm_matrix_fp16", R(8, 8)),
         "Sobol engine draw": lambda: raw("aten::_sobol_engine_draw", torch.zeros(4, 1000, device=D), 4, T([0]), 1000,
                                          0, torch.float32),
@@ -140,6 +145,8 @@ EXPECTED = {
     "rfft over a dimension the input lacks": "dims [5] must be distinct dimensions of a 2-d input",
     "attention's qkv bias too short": "expected qkv_bias to have 24 elements, but got 3",
     "weight norm backward, norms too short": "expected saved_g to have 4 elements, but got 1",
+    "embedding_bag with decreasing offsets (read other memory)": "offsets must not decrease",
+    "grid sampler's CPU fallback with a NaN grid": "is refused",
     "fbgemm packed weights (a raw pointer)": "is refused",
     "Sobol engine draw": "is refused",
 }

@@ -95,6 +95,17 @@ def _embedding_bag_backward(op: str, a: dict) -> None:
         _in_range(op, "maximum_indices", maximum, -1, rows)
 
 
+def _embedding_bag(op: str, a: dict) -> None:
+    """The forward: offsets must not decrease nor point past the indices (a decreasing one read
+    other memory of the node on one thread), indices must be rows of the weight."""
+    weight, indices, offsets = a["weight"], a["indices"], a["offsets"]
+    _in_range(op, "indices", indices, 0, weight.shape[0] if weight.dim() else 0)
+    if isinstance(offsets, torch.Tensor) and offsets.dim() == 1 and offsets.numel() and indices.dim() == 1:
+        _in_range(op, "offsets", offsets, 0, indices.numel() + 1)
+        if offsets.numel() > 1 and bool((offsets.diff() < 0).any()):
+            raise RuntimeError(f"{op}: offsets must not decrease")
+
+
 def _ctc_targets(a: dict) -> None:
     log_probs, targets = a["log_probs"], a["targets"]
     classes = log_probs.shape[-1] if log_probs.dim() else 0
@@ -364,6 +375,8 @@ GUARDS = {
     "adaptive_max_pool2d_backward": _pooling_backward(2),
     "adaptive_max_pool3d_backward": _pooling_backward(3),
     "embedding_dense_backward": _embedding_dense_backward,
+    "_embedding_bag": _embedding_bag,
+    "_embedding_bag_forward_only": _embedding_bag,
     "_embedding_bag_backward": _embedding_bag_backward,
     "_embedding_bag_dense_backward": _embedding_bag_backward,
     "_embedding_bag_per_sample_weights_backward": _embedding_bag_backward,

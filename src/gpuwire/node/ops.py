@@ -34,6 +34,9 @@ DENIED_ATEN = frozenset({
     "_nested_from_padded", "_nested_tensor_from_mask", "lift_fresh", "_cudnn_rnn_flatten_weight",
     "_debug_has_internal_overlap", "_unsafe_set_version_counter", "_copy_from", "_copy_from_and_resize",
     "resize_", "resize_as_", "_resize_output_", "_unsafe_index_put",
+    # called inside the CPU kernel of grid_sampler_2d, never by a program; a NaN grid read past
+    # its input
+    "_grid_sampler_2d_cpu_fallback", "_grid_sampler_2d_cpu_fallback_backward",
 })
 # families refused by the start of their names: fbgemm's packed weights are a raw host pointer
 # kept in a tensor (a forged one is read and written through; packing returns a heap address),
