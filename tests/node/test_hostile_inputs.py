@@ -218,8 +218,11 @@ LEGIT = textwrap.dedent("""
         x = with_grad(device, 4, 3, 5, 5)
         y = bn(x)
         y.pow(2).sum().backward()
-        bn.eval()
-        return [y, x.grad, bn(x.detach()), bn.running_mean, bn.running_var]
+        bn.eval()  # (frozen statistics, as in fine-tuning: the backward's saved statistics are empty)
+        frozen = with_grad(device, 4, 3, 5, 5)
+        z = bn(frozen)
+        z.pow(2).sum().backward()
+        return [y, x.grad, z, frozen.grad, bn.weight.grad, bn.running_mean, bn.running_var]
 
     def distances(device):
         a, b = with_grad(device, 5, 3), with_grad(device, 4, 3)
