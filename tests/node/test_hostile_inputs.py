@@ -116,9 +116,9 @@ HOSTILE = textwrap.dedent("""
 # what each call must raise (the node's words, or the refusal); the integer division has the
 # result a GPU gives (two's complement wraps to the minimum), which local CPU's floor rounding gives too
 EXPECTED = {
-    "max_pool2d backward, index past the plane": "indices holds 1099511627776, out of range [0, 16)",
-    "max_pool3d backward, index past the volume": "indices holds 1099511627776, out of range [0, 32)",
-    "adaptive_max_pool2d backward, index past the plane": "indices holds 1099511627776, out of range [0, 16)",
+    "max_pool2d backward, index past the plane": "indices holds 1099511627776, out of range [-1, 16)",
+    "max_pool3d backward, index past the volume": "indices holds 1099511627776, out of range [-1, 32)",
+    "adaptive_max_pool2d backward, index past the plane": "indices holds 1099511627776, out of range [-1, 16)",
     "embedding backward by frequency, index past the table": "indices holds 1099511627776, out of range [0, 4)",
     "embedding_bag backward, offset2bag past the bags": "offset2bag holds 1099511627776, out of range [0, 2)",
     "embedding_bag per-sample-weights backward, index past the table": "out of range [0, 4)",
@@ -209,9 +209,12 @@ LEGIT = textwrap.dedent("""
 
     def ctc(device):
         log_probs = with_grad(device, 12, 2, 5)
-        loss = F.ctc_loss(log_probs.log_softmax(2), torch.tensor([[1, 2, 3], [2, 4, 0]]).to(device), [12, 10], [3, 2])
-        loss.backward()
-        return [loss, log_probs.grad]
+        # (padding past each target's length may hold anything: -1 here)
+        targets = torch.tensor([[1, 2, 3, -1, -1], [2, 4, -1, -1, -1]]).to(device)
+        loss = F.ctc_loss(log_probs.log_softmax(2), targets, [12, 10], [3, 2])
+        flat = F.ctc_loss(log_probs.log_softmax(2), torch.tensor([1, 2, 3, 2, 4]).to(device), [12, 10], [3, 2])
+        (loss + flat).backward()
+        return [loss, flat, log_probs.grad]
 
     def normalized(device):
         bn = torch.nn.BatchNorm2d(3).to(device)
@@ -226,14 +229,21 @@ LEGIT = textwrap.dedent("""
 
     def distances(device):
         a, b = with_grad(device, 5, 3), with_grad(device, 4, 3)
-        y = torch.cdist(a, b).sum() + F.pdist(a).sum()
+        batched, broadcast = with_grad(device, 2, 5, 3), with_grad(device, 1, 4, 3)
+        y = torch.cdist(a, b).sum() + F.pdist(a).sum() + torch.cdist(batched, broadcast).sum()
         y.backward()
-        return [y, a.grad, b.grad]
+        return [y, a.grad, b.grad, batched.grad, broadcast.grad]
+
+    def exponentiated(device):
+        m = with_grad(device, 2, 3, 3)
+        y = torch.linalg.matrix_exp(m * 0.3)
+        y.sum().backward()
+        return [y, m.grad]
 
     def recurrent(device):
         results = []
-        for cell in (torch.nn.LSTM(4, 6, num_layers=2, bidirectional=True), torch.nn.GRU(4, 6),
-                     torch.nn.RNN(4, 6, batch_first=True)):
+        for cell in (torch.nn.LSTM(4, 6, num_layers=2, bidirectional=True), torch.nn.GRU(4, 6, bias=False),
+                     torch.nn.LSTM(4, 6, proj_size=3), torch.nn.RNN(4, 6, batch_first=True)):
             cell = cell.to(device)
             x = with_grad(device, 5, 3, 4)
             packed = torch.nn.utils.rnn.pack_padded_sequence(x, [5, 4, 2], enforce_sorted=True)
@@ -307,8 +317,9 @@ LEGIT = textwrap.dedent("""
             print(name, both(program, 1e-6 if name == "recurrent" else 0.0), flush=True)
 """)
 
-LEGIT_PROGRAMS = ("pooled", "embedded", "ctc", "normalized", "distances", "recurrent", "optimized", "spectral",
-                  "segmented", "cumulative", "weight_normed", "attention_fast_path", "views", "divided", "eigen")
+LEGIT_PROGRAMS = ("pooled", "embedded", "ctc", "normalized", "distances", "exponentiated", "recurrent", "optimized",
+                  "spectral", "segmented", "cumulative", "weight_normed", "attention_fast_path", "views", "divided",
+                  "eigen")
 
 
 def test_the_checked_ops_as_programs_use_them_equal_a_local_cpu_run(own_node):

@@ -70,7 +70,7 @@ def _pooling_backward(dims: int):
     def check(op: str, a: dict) -> None:
         grad, indices, source = a["grad_output"], a["indices"], a["self"]
         _shape_is(op, "indices", indices, grad.shape)
-        _in_range(op, "indices", indices, 0, _spatial_size(source, dims))
+        _in_range(op, "indices", indices, -1, _spatial_size(source, dims))  # (-1: a window with no maximum, skipped)
     return check
 
 
@@ -107,8 +107,18 @@ def _embedding_bag(op: str, a: dict) -> None:
 
 
 def _ctc_targets(a: dict) -> None:
+    """The targets the loss reads (each row's first ``target_lengths``; padding may hold
+    anything) must be classes of ``log_probs``."""
     log_probs, targets = a["log_probs"], a["targets"]
     classes = log_probs.shape[-1] if log_probs.dim() else 0
+    lengths = _lengths(a["target_lengths"])
+    if not isinstance(targets, torch.Tensor) or not lengths or min(lengths) < 0:
+        return
+    if targets.dim() == 2 and len(lengths) == targets.shape[0]:
+        used = torch.arange(targets.shape[1], device=targets.device) < torch.tensor(lengths, device=targets.device)[:, None]
+        targets = targets[used]
+    else:
+        targets = targets.reshape(-1)[:sum(lengths)]
     _in_range("ctc_loss", "targets", targets, 0, classes)
 
 
@@ -328,8 +338,13 @@ def _view_in_bounds(op: str, a: dict) -> None:
 
 def _cdist_backward(op: str, a: dict) -> None:
     x1, x2 = a["x1"], a["x2"]
-    expected = (*x1.shape[:-1], x2.shape[-2]) if x1.dim() >= 2 and x2.dim() >= 2 else None
-    if expected is not None:
+    if x1.dim() >= 2 and x2.dim() >= 2:
+        try:
+            batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+        except RuntimeError:
+            raise RuntimeError(f"{op}: x1's and x2's batch shapes {list(x1.shape[:-2])} and {list(x2.shape[:-2])} "
+                               "do not broadcast") from None
+        expected = (*batch, x1.shape[-2], x2.shape[-2])
         _shape_is(op, "grad", a["grad"], expected)
         _shape_is(op, "cdist", a["cdist"], expected)
 
@@ -368,7 +383,7 @@ def _transform_bias_rescale_qkv(op: str, a: dict) -> None:
 def _weight_norm_backward(op: str, a: dict) -> None:
     v, dim = a["saved_v"], int(a["dim"])
     _shape_is(op, "grad_w", a["grad_w"], v.shape)
-    kept = v.shape[dim] if -v.dim() <= dim < v.dim() else 1
+    kept = v.shape[dim] if 0 <= dim < v.dim() else 1  # (-1: one norm of the whole tensor)
     _numel_is(op, "saved_g", a["saved_g"], kept)
     _numel_is(op, "saved_norms", a["saved_norms"], kept)
 
