@@ -135,6 +135,22 @@ def test_packed_sequence_bidirectional_lstm(device):
     assert all(torch.equal(a, b) for a, b in zip(run("cpu"), run(device)))
 
 
+@pytest.mark.parametrize("layer", ["RNN", "GRU", "LSTM"])
+def test_batch_first_recurrent_layers_train_bit_for_bit(device, layer):
+    """A batch-first GRU or RNN in training differed from a local run in the last bit: the node
+    ran the layer with no parameter requiring grad, where ATen's CPU RNNs take oneDNN's kernels
+    (a local training run takes ATen's own cells). The node now sees which inputs require grad."""
+    def run(dev):
+        torch.manual_seed(0)
+        rnn = getattr(torch.nn, layer)(4, 6, num_layers=2, batch_first=True).to(dev)
+        x = torch.randn(5, 3, 4, generator=torch.Generator().manual_seed(1)).to(dev).requires_grad_()
+        y, _ = rnn(x)
+        y.pow(2).sum().backward()
+        return [y.detach().cpu(), x.grad.cpu(), rnn.weight_hh_l1.grad.cpu()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run("cpu"), run(device)))
+
+
 def _hf_model(name):
     from transformers import (BertConfig, BertForSequenceClassification, DistilBertConfig, DistilBertForMaskedLM,
                               GPTNeoXConfig, GPTNeoXForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,

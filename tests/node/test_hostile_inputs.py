@@ -177,14 +177,13 @@ LEGIT = textwrap.dedent("""
     gpuwire.attach(sys.argv[1])
     # (both sides on torch's default threads, as a node runs: reductions split by threads)
 
-    def both(program, tolerance=0.0):
+    def both(program):
         '''program(device) -> tensors; run on CPU and on the node from the same seed, compared bit for bit'''
         results = []
         for device in ("cpu", "gpuwire"):
             torch.manual_seed(0)
             results.append([t.detach().cpu() for t in program(device)])
-        same = (lambda a, b: torch.allclose(a, b, rtol=0, atol=tolerance)) if tolerance else torch.equal
-        return all(same(a, b) for a, b in zip(*results)) and len(results[0]) == len(results[1])
+        return all(torch.equal(a, b) for a, b in zip(*results)) and len(results[0]) == len(results[1])
 
     def with_grad(device, *shape, dtype=torch.float32):
         return torch.randn(*shape, dtype=dtype).to(device).requires_grad_()
@@ -312,9 +311,7 @@ LEGIT = textwrap.dedent("""
     for name, program in list(globals().items()):
         if callable(program) and name not in ("both", "with_grad", "F") and not name.startswith("_") \\
                 and getattr(program, "__module__", None) == "__main__":
-            # (a packed LSTM and a batch-first RNN differ from CPU's kernels in the last bit, before
-            # session 38's checks too: docs/NOTES-next-session.md)
-            print(name, both(program, 1e-6 if name == "recurrent" else 0.0), flush=True)
+            print(name, both(program), flush=True)
 """)
 
 LEGIT_PROGRAMS = ("pooled", "embedded", "ctc", "normalized", "distances", "exponentiated", "recurrent", "optimized",

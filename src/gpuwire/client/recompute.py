@@ -66,7 +66,10 @@ class _Recomputed(torch.autograd.Function):
     def forward(ctx, plan, args, *flat):
         ctx.plan = plan
         ctx.args = args
-        result, rng_state = _forward(plan, args, {})
+        # which inputs require grad: CPU kernels choose their path by it (oneDNN's RNNs run only
+        # where no parameter does), so the node's run must see the same (a GRU/RNN with
+        # batch_first differed from a local training run in the last bit)
+        result, rng_state = _forward(plan, args, {"requires_grad": [t.requires_grad for t in flat]})
         ctx.save_for_backward(*flat, rng_state)
         return result
 

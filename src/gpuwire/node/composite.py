@@ -81,15 +81,22 @@ def _rebuild(value, replacements: iter):
     return value
 
 
-def forward_with_rng(name: str, *args, grad: bool = True):
+def forward_with_rng(name: str, *args, grad: bool = True, requires_grad=None):
     """Run op ``name``; also return the generator state from before it ran (for backward).
-    ``grad``: the client's grad mode (some kernels choose their path by it: oneDNN's RNNs)."""
-    device = next((t.device for t in tensor_leaves(args)), torch.device("cpu"))
+    ``grad``: the client's grad mode, ``requires_grad``: which of the tensor leaves of ``args``
+    require grad on the client (kernels choose their path by both: oneDNN's RNNs run only with
+    grad off or no parameter requiring it; a local training run takes ATen's own cells)."""
+    leaves = tensor_leaves(args)
+    device = next((t.device for t in leaves), torch.device("cpu"))
     op = resolve_aten(name, device.type)
     state = generator_state_on(device)
+    if grad and isinstance(requires_grad, (list, tuple)) and len(requires_grad) == len(leaves) and any(requires_grad):
+        args = _rebuild(args, iter([t.detach().requires_grad_(bool(wants) and (t.is_floating_point() or t.is_complex()))
+                                    for t, wants in zip(leaves, requires_grad)]))
     with torch.set_grad_enabled(bool(grad)):
         result = op(*args)
-    outs = list(result) if isinstance(result, (tuple, list)) else [result]
+    outs = [t.detach() if isinstance(t, torch.Tensor) else t
+            for t in (result if isinstance(result, (tuple, list)) else [result])]
     return (*outs, state)
 
 
