@@ -741,6 +741,7 @@ class OpTable:
         self._cache: dict[str, object] = {}
         self._own_kernels = CUDA_NODE_KERNELS if backend_kind == "cuda" else CPU_NODE_KERNELS
         self._backend_kind = backend_kind
+        self._signature_checks: dict = {}  # op name -> ``signature_check``'s answer
 
     def resolve(self, name: str):
         fn = self._cache.get(name)
@@ -753,9 +754,13 @@ class OpTable:
         follows per signature (``guards.CHECKED_PER_SIGNATURE``), or None. A check raises, or
         returns None, or a kernel to run instead, on every call of that signature (the loop
         never learns it)."""
-        if self._backend_kind == "cpu" and name in TRUNCATED_DIVISIONS:
-            return _truncated_division_chooser(fn)
-        return signature_check(name, fn)
+        try:
+            return self._signature_checks[name]
+        except KeyError:
+            check = _truncated_division_chooser(fn) if self._backend_kind == "cpu" and name in TRUNCATED_DIVISIONS \
+                else signature_check(name, fn)
+            self._signature_checks[name] = check
+            return check
 
 
 def _resolve(name: str, own_kernels: dict):
