@@ -13,9 +13,12 @@ the op's arguments, unchanged, and an exception.
 
 Found by a sweep of OpInfo error inputs and hand-written hostile arguments against a node
 (session 38, docs/opinfo.md "Session 38"); tests/node/test_hostile_inputs.py runs each against
-a real node and checks it lives on. The checks that read values (indices, offsets) cost one
-min/max of an index tensor, which on a CUDA node waits for the device: they are on ops that are
-rare in training steps or small beside their kernel (a pooling or embedding backward).
+a real node and checks it lives on. The checks that read values (indices, offsets: ``GUARDS``)
+run on every call and take their ops off the native loop; each costs a min/max of an index
+tensor, which on a CUDA node waits for the device, on ops that are rare in training steps or
+small beside their kernel (a pooling or embedding backward). Checks of shapes alone of ops on a
+step's hot path (``CHECKED_PER_SIGNATURE``: batch norm, fused optimizers) run on the Python
+path, which the native loop follows per argument signature (``OpTable.signature_check``).
 """
 
 from __future__ import annotations
