@@ -274,6 +274,30 @@ def test_an_embedded_node_that_crashes_is_started_again_and_the_program_goes_on(
     assert "Starting a new node at the same address" in result.stderr, result.stderr
 
 
+def test_a_forked_child_shares_the_embedded_node_and_leaves_it_running():
+    """A child forked from a program with an embedded node (``os.fork``, a fork-started worker)
+    uses the parent's node; exiting normally it ran the parent's atexit hooks, which killed the
+    parent's node, and every tensor the parent had on it."""
+    code = """
+        import os, sys, torch, gpuwire
+        from gpuwire.client import embedded
+        x = torch.ones(3, device="gpuwire")
+        print("parent", x.sum().item(), flush=True)
+        node = embedded._process.pid
+        child = os.fork()
+        if child == 0:
+            print("child", torch.ones(2, device="gpuwire").sum().item(), embedded._process.pid == node, flush=True)
+            sys.exit(0)
+        os.waitpid(child, 0)
+        print("parent after", (x * 2).sum().item(), embedded._process.pid == node, flush=True)
+    """
+    result = run_script(code, {"GPUWIRE_NODE": ""}, timeout=120)
+    assert "child 2.0 True" in result.stdout, result.stdout + result.stderr
+    assert "parent after 6.0 True" in result.stdout, result.stdout + result.stderr
+    assert result.stderr.count("started an embedded node") == 1, result.stderr
+    assert "killed by" not in result.stderr, result.stderr
+
+
 def test_embedded_node_idles_politely_and_matches_local_cpu_bit_for_bit():
     """The embedded node shares the machine with the program: with OpenMP's default wait policy
     its idle workers spun on the program's cores (a nanoGPT step on 2 cores flipped between

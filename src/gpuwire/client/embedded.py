@@ -89,6 +89,7 @@ def _spawn(listener: socket.socket, token: str, backend: str, restarted_after: s
     host, port = listener.getsockname()
     process.gpuwire_address = f"{host}:{port}"
     process.gpuwire_backend = backend
+    process.gpuwire_owner = os.getpid()
     return process
 
 
@@ -226,8 +227,8 @@ def stop_embedded_node() -> None:
         _stopping = True
         process, _process = _process, None
         _close_listener()
-    if process is None:
-        return
+    if process is None or getattr(process, "gpuwire_owner", os.getpid()) != os.getpid():
+        return  # (a forked child that exits normally runs its parent's atexit hooks: the node is the parent's)
     # the launcher of `gpuwire run` never imported torch: importing the device layer only to
     # detach would add torch's import (2-3 s) to every run's exit
     device = sys.modules.get(f"{__package__}.device")
