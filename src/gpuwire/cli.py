@@ -64,8 +64,19 @@ def serve(
                                             help="Serve on this inherited listening socket (the embedded node)."),
     exit_with_stdin: bool = typer.Option(False, "--exit-with-stdin", hidden=True,
                                          help="Exit when stdin closes (used by the embedded node)."),
+    restart_on_crash: bool = typer.Option(
+        False, "--restart-on-crash",
+        help="Run the node in a child process and start it again on the same address when it dies (a kernel "
+             "crash, the out-of-memory killer): its sessions are lost, clients are told why and start new ones. "
+             "For a node no supervisor (systemd, Kubernetes) restarts."),
 ):
     """Run a GPU node: serve PyTorch ops to gpuwire clients over TCP."""
+    if restart_on_crash:
+        if listen_fd is not None:
+            typer.echo("gpuwire serve: --restart-on-crash binds its own socket; drop --listen-fd", err=True)
+            raise typer.Exit(2)
+        from .node.supervisor import node_arguments, supervise
+        raise typer.Exit(supervise(node_arguments(sys.argv), host, port))
     import torch
 
     from .node import Backend, NodeServer

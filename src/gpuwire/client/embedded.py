@@ -17,12 +17,12 @@ from __future__ import annotations
 import atexit
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
+
+from .._process import RestartBudget, how_it_ended
 
 _process: subprocess.Popen | None = None
 _lock = threading.Lock()
@@ -30,10 +30,9 @@ _lock = threading.Lock()
 _listener: socket.socket | None = None
 _token: str | None = None
 _stopping = False
-# when the latest nodes died: more than RESTARTS_PER_MINUTE in a minute is a node that cannot
-# run here (it is not started again; connections are then refused)
-_deaths: list[float] = []
-RESTARTS_PER_MINUTE = 5
+# more than 5 deaths in a minute is a node that cannot run here (it is not started again;
+# connections are then refused)
+_restarts = RestartBudget()
 # how long a starting node may take to say it listens; its first start on a machine builds its
 # C++ helpers (src/gpuwire/_native.py), 15-35 s on a busy 2-core VM where a start is otherwise ~3 s
 STARTUP_TIMEOUT = 120.0
@@ -125,21 +124,6 @@ def wait_for_embedded_node(process: subprocess.Popen, token: str, *, quiet: bool
 _started_line = ""
 
 
-def how_it_ended(returncode: int) -> str:
-    """A node's exit status in words: "killed by SIGSEGV", "exited with status 1"."""
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
-        crashed = "a kernel crashed; with GPUWIRE_SYNC=1 the line whose op crashed it raises"
-        hint = {"SIGSEGV": crashed, "SIGBUS": crashed, "SIGILL": crashed, "SIGFPE": crashed,
-                "SIGABRT": crashed.replace("crashed;", "aborted;"),
-                "SIGKILL": "the out-of-memory killer, or a kill -9"}.get(name)
-        return f"killed by {name}" + (f" ({hint})" if hint else "")
-    return f"exited with status {returncode}"
-
-
 def _restart_when_it_dies(process: subprocess.Popen) -> None:
     """Watch the node ``process``; when it dies (not stopped by this process), start another
     on the same listening socket, telling it why (its refusals to resume say so)."""
@@ -149,14 +133,13 @@ def _restart_when_it_dies(process: subprocess.Popen) -> None:
         with _lock:
             if _stopping or process is not _process or _listener is None:
                 return
-            now = time.monotonic()
-            _deaths[:] = [t for t in _deaths if now - t < 60] + [now]
             ended = how_it_ended(returncode)
             if process.stdout is not None:
                 process.stdout.close()
-            if len(_deaths) > RESTARTS_PER_MINUTE:
-                print(f"gpuwire: the embedded node (pid {process.pid}) ended: {ended}, the {len(_deaths)}th time within a "
-                      "minute: not starting it again. Run `gpuwire serve` by hand to see why", file=sys.stderr)
+            if not _restarts.spend():
+                print(f"gpuwire: the embedded node (pid {process.pid}) ended: {ended}, more than "
+                      f"{_restarts.per_minute} times within a minute: not starting it again. Run `gpuwire serve` by "
+                      "hand to see why", file=sys.stderr)
                 _close_listener()
                 return
             print(f"gpuwire: the embedded node (pid {process.pid}) ended: {ended}; every device tensor made so far is "
