@@ -155,7 +155,15 @@ def serve(
             typer.echo(f"gpuwire serve: {exc}", err=True)
             server.close()
             raise typer.Exit(2)
+    leaving = []
+
     def leave(*_):
+        # (once: a second SIGTERM, which systemd's signal to a whole process group and a
+        # supervisor's passing it on make, ran this again inside the first's Event.set, whose
+        # lock it then waited for for ever)
+        if leaving:
+            return
+        leaving.append(True)
         if agent is not None:
             agent.stop()
         server.close()

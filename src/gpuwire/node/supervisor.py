@@ -46,7 +46,7 @@ def supervise(arguments: list[str], host: str, port: int) -> int:
 
     def pass_on(signum, _frame) -> None:
         stopping.append(signum)
-        if node and node[-1].poll() is None:
+        if len(stopping) == 1 and node and node[-1].poll() is None:  # (once: the node may have had it too)
             node[-1].send_signal(signum)
 
     for signum in (signal.SIGTERM, signal.SIGINT):
