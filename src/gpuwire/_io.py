@@ -7,6 +7,20 @@ import socket
 from .protocol import CLOSED, NEED_DATA
 
 
+def listen(host: str, port: int, backlog: int = 128) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (IPv6 where the host has a colon; port 0 picks a
+    free one). Raises what ``bind`` raises; nothing is left open on failure."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 def dial(host: str, port: int, timeout: float, tls=None) -> socket.socket:
     """A TCP connection (TLS over it with ``tls``, an ``ssl.SSLContext``), TCP_NODELAY set.
     Raises what the socket raises; nothing is left open on failure."""

@@ -75,7 +75,7 @@ def serve(
         if listen_fd is not None:
             typer.echo("gpuwire serve: --restart-on-crash binds its own socket; drop --listen-fd", err=True)
             raise typer.Exit(2)
-        from .node.supervisor import node_arguments, supervise
+        from .supervisor import node_arguments, supervise
         raise typer.Exit(supervise(node_arguments(sys.argv), host, port))
     import torch
 

@@ -22,7 +22,7 @@ import time
 from time import perf_counter
 
 from .. import __version__
-from .._io import send_parts
+from .._io import listen, send_parts
 from ..protocol import CLOSED, NEED_DATA, Connection, Limits, ProtocolError, Role, StreamCut, check_hello
 from ..protocol.events import Data, Goodbye, Hello, Notice, Read, Reject, Welcome
 from . import loop as node_loop
@@ -139,11 +139,7 @@ class NodeServer:
         return self.host, self.port
 
     def bind(self) -> tuple[str, int]:
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((self.host, self.port))
-        listener.listen(128)
+        listener = listen(self.host, self.port)
         self._listener = listener
         self.port = listener.getsockname()[1]
         return self.host, self.port

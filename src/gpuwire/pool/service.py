@@ -13,7 +13,6 @@ OpenAPI schema is at ``/v1/openapi.json`` (browsable at ``/v1/docs``). Every end
 
 
 import logging
-import socket
 import sys
 from typing import Annotated, Any, Literal, Optional
 
@@ -24,6 +23,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .._io import listen
 from .._version import __version__
 from .core import ROLES, Caller, Pool, PoolConfig, Problem
 from .sizes import MAX_BYTES, parse_size
@@ -376,16 +376,12 @@ def run(host: str = "127.0.0.1", port: int = 7000, db: str | None = None, *, adm
         print(f"gpuwire pool: {exc}", file=sys.stderr)
         store.close()
         return 2
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        sock = listen(host, port, backlog=512)
     except OSError as exc:
         print(f"gpuwire pool: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
         store.close()
         return 2
-    sock.listen(512)
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     if created:

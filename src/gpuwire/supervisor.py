@@ -8,18 +8,19 @@ N) ended: killed by SIGSEGV ...") and start new sessions. What crosses the bound
 socket's file descriptor, the command line, SIGTERM/SIGINT (passed on), exit statuses. A node
 that exits by itself (a configuration error, a drain) is not started again; one killed by a
 signal is, at most 5 times a minute. The embedded node's parent (``client/embedded.py``) does
-the same for a program's own node. Imports no torch: the node process does.
+the same for a program's own node. Beside ``launcher.py`` rather than in ``node/``, whose
+package imports torch: this process never does (2-3 s and ~300 MB it would hold for nothing).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 
-from .._process import RestartBudget, how_it_ended
+from ._io import listen
+from ._process import RestartBudget, how_it_ended
 
 
 def node_arguments(argv: list[str]) -> list[str]:
@@ -31,15 +32,11 @@ def node_arguments(argv: list[str]) -> list[str]:
 
 def supervise(arguments: list[str], host: str, port: int) -> int:
     """Serve on ``host:port`` with a node process given ``arguments``; the exit status to end with."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        listener.bind((host, port))
+        listener = listen(host, port)
     except OSError as exc:
         print(f"gpuwire serve: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    listener.listen(128)
     address = f"{host}:{listener.getsockname()[1]}"
     stopping: list[int] = []
     node: list[subprocess.Popen] = []
