@@ -51,6 +51,22 @@ class NodeProcess:
             self.proc.wait(timeout=30)
 
 
+def child_process(parent: int, marker: bytes = b"--listen-fd") -> int | None:
+    """The pid of a child of process ``parent`` whose command line holds ``marker`` (the node a
+    supervisor started: ``serve ... --listen-fd N``), or None."""
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read()
+        except OSError:
+            continue
+        if ppid == parent and marker in command:
+            return int(entry)
+    return None
+
+
 def _readline_with_timeout(stream, timeout: float) -> str:
     out = []
     reader = threading.Thread(target=lambda: out.append(stream.readline()), daemon=True)

@@ -12,7 +12,7 @@ import sys
 import textwrap
 import time
 
-from tests.conftest import _readline_with_timeout
+from tests.conftest import _readline_with_timeout, child_process
 
 CLIENT = textwrap.dedent("""
     import os, signal, sys, time, torch, gpuwire
@@ -30,21 +30,6 @@ CLIENT = textwrap.dedent("""
 """)
 
 
-def _node_of(supervisor_pid: int) -> int:
-    """The node process the supervisor started (its child running ``serve --listen-fd``)."""
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                command = f.read()
-        except OSError:
-            continue
-        if parent == supervisor_pid and b"--listen-fd" in command:
-            return int(entry)
-    raise AssertionError(f"no node process under supervisor {supervisor_pid}")
-
-
 def test_a_crashed_node_is_started_again_and_a_client_goes_on_with_a_new_session():
     supervisor = subprocess.Popen([sys.executable, "-m", "gpuwire", "serve", "--restart-on-crash", "--port", "0",
                                    "--backend", "cpu", "--log-level", "warning"],
@@ -52,7 +37,8 @@ def test_a_crashed_node_is_started_again_and_a_client_goes_on_with_a_new_session
     try:
         line = _readline_with_timeout(supervisor.stdout, 120) or ""
         address = re.search(r"listening on (\S+)", line).group(1)
-        crashed = _node_of(supervisor.pid)
+        crashed = child_process(supervisor.pid)
+        assert crashed is not None
         client = subprocess.run([sys.executable, "-c", CLIENT, address, str(crashed)], capture_output=True, text=True,
                                 timeout=180)
         assert client.returncode == 0, client.stderr[-3000:]
@@ -60,7 +46,7 @@ def test_a_crashed_node_is_started_again_and_a_client_goes_on_with_a_new_session
         assert re.search(rf"lost: .*the node restarted after its previous process \(pid {crashed}\) ended: killed by "
                          r"SIGSEGV \(a kernel crashed", client.stdout), client.stdout + client.stderr
         assert "after 45.0" in client.stdout, client.stdout + client.stderr
-        replacement = _node_of(supervisor.pid)
+        replacement = child_process(supervisor.pid)
         assert replacement != crashed
         supervisor.send_signal(signal.SIGTERM)  # (passed on to the node; both end)
         assert supervisor.wait(timeout=30) == 0

@@ -14,22 +14,12 @@ import sys
 import textwrap
 import time
 
+from tests.conftest import child_process
+
 from .conftest import PoolProcess, Proc, unique
 
 JOB = textwrap.dedent("""
     import os, signal, time, torch
-
-    def node_of(supervisor):  # the node process the supervisor started
-        for entry in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    command = f.read()
-            except OSError:
-                continue
-            if parent == supervisor and b"--listen-fd" in command:
-                return int(entry)
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 2).cuda()
@@ -41,8 +31,8 @@ JOB = textwrap.dedent("""
         loss.backward()
         opt.step()
         print("step", step, loss.item(), flush=True)
-        if step == 2 and os.environ.get("CRASH_NODE_OF"):
-            os.kill(node_of(int(os.environ["CRASH_NODE_OF"])), signal.SIGSEGV)
+        if step == 2 and os.environ.get("CRASH_NODE"):
+            os.kill(int(os.environ["CRASH_NODE"]), signal.SIGSEGV)
             time.sleep(0.5)
 """)
 
@@ -65,7 +55,7 @@ def test_a_job_survives_its_pool_node_crashing_and_restarting(pool_proc, admin, 
                                    str(script)], capture_output=True, text=True, timeout=240,
                                   env={**os.environ, "GPUWIRE_API_KEY": tenant_key, **env})
 
-        crashed = job(CRASH_NODE_OF=str(node.proc.pid))
+        crashed = job(CRASH_NODE=str(child_process(node.proc.pid)))
         assert crashed.returncode == 0, crashed.stdout + crashed.stderr[-3000:]
         assert re.search(r"node \S+ lost at op [\d,]+; resumed on \S+", crashed.stderr), crashed.stderr[-3000:]
         assert "killed by SIGSEGV" in node.log(), node.log()[-3000:]
@@ -75,20 +65,6 @@ def test_a_job_survives_its_pool_node_crashing_and_restarting(pool_proc, admin, 
         assert len(losses) == 6 and losses == re.findall(r"step \d+ \S+", steady.stdout), (crashed.stdout, steady.stdout)
     finally:
         node.kill(signal.SIGTERM)  # (the supervisor passes it on: both end)
-
-
-def _node_of(supervisor: int) -> int | None:
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                command = f.read()
-        except OSError:
-            continue
-        if parent == supervisor and b"--listen-fd" in command:
-            return int(entry)
-    return None
 
 
 def test_a_supervised_pool_node_signalled_as_a_group_stops(tmp_path):
@@ -104,7 +80,7 @@ def test_a_supervised_pool_node_signalled_as_a_group_stops(tmp_path):
                 {"GPUWIRE_API_KEY": pool.admin().create_key(role="node")["key"]})
     try:
         node.wait_for(r"listening on (\S+):(\d+)")
-        worker = _node_of(node.proc.pid)
+        worker = child_process(node.proc.pid)
         assert worker is not None
         pool.kill()
         for _ in range(3):
