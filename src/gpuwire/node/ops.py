@@ -349,19 +349,15 @@ def _truncated_division_like_cuda(op):
     overflows, the type's minimum divided by -1, traps on x86 (SIGFPE: the node process died, and
     every tenant's session with it; a local CPU run dies too) where a GPU wraps to the minimum, as
     ``floor`` rounding and ``//`` give it on CPU too. Divisors of -1 are computed as a negation;
-    any other call is the op's own, at the cost of one comparison of the divisor with -1."""
+    any other call is the op's own, at the cost of one comparison of the divisor with -1. Run only
+    for the signatures ``_truncated_division_chooser`` picks (trunc, signed integers)."""
     def kernel(*args, **kwargs):
         dividend, divisor = args[0], args[1]
-        if kwargs.get("rounding_mode", args[2] if len(args) > 2 else None) != "trunc" \
-                or not isinstance(dividend, torch.Tensor) or dividend.device.type != "cpu":
-            return op(*args, **kwargs)
-        dtype = torch.result_type(dividend, divisor)
-        if dtype.is_floating_point or dtype.is_complex or dtype is torch.bool or not dtype.is_signed:
-            return op(*args, **kwargs)
         minus_one = divisor == -1
         if not (bool(minus_one.any()) if isinstance(minus_one, torch.Tensor) else minus_one):
             return op(*args, **kwargs)
-        negated = torch.neg(dividend.to(dtype))  # (before the call: in place, it is overwritten)
+        # (computed before the call: in place, the dividend is overwritten)
+        negated = torch.neg(torch.as_tensor(dividend).to(torch.result_type(dividend, divisor)))
         safe = divisor.masked_fill(minus_one, 1) if isinstance(divisor, torch.Tensor) else 1
         result = op(dividend, safe, *args[2:], **kwargs)
         result.copy_(torch.where(torch.as_tensor(minus_one), negated.to(result.dtype), result))
