@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import functools
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -50,15 +51,51 @@ def _host(tensors):
     return [t.detach().to("cpu", copy=True) for t in tensors]
 
 
+def _flat(tensors):
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            yield t
+        else:
+            yield from _flat(t)
+
+
+def _run_on_host(start, *tensors) -> None:
+    """``start()`` (a gloo collective on the host tensors ``tensors``), waited for, and then the
+    wait for gloo's worker thread to let go of those tensors.
+
+    That thread still held them after ``wait()`` returned in half the collectives (measured), and
+    where it drops the last reference to a tensor that has a Python object, the drop takes the
+    GIL. At interpreter exit the thread is killed inside that destructor and the rank dies of
+    SIGABRT ("terminate called without an active exception"; one job in a few hundred that ends
+    right after a collective). Holding the tensors here until the thread has dropped its
+    references leaves the last drop to this thread, which holds the GIL."""
+    held = _use_counts(tensors)
+    work = start()
+    work.wait()
+    del work
+    _wait_for_gloo_to_let_go(held)
+
+
+def _use_counts(tensors) -> list:
+    return [(t, t._use_count()) for t in _flat(tensors)]
+
+
+def _wait_for_gloo_to_let_go(held) -> None:
+    deadline = time.monotonic() + 1.0  # (microseconds, unless the machine is overloaded)
+    while any(t._use_count() > count for t, count in held) and time.monotonic() < deadline:
+        time.sleep(0.00005)
+
+
 class _Deferred(dist.Work):
     """A point-to-point operation in flight on host copies: ``wait()`` waits for gloo and then
     uploads what arrived. Not waited for when queued: gloo's send waits for the peer's receive,
     so two ranks that each ``isend`` before they ``irecv`` (``batch_isend_irecv``, ring
     exchanges) would block each other."""
 
-    def __init__(self, work, after=None, keep=None):
+    def __init__(self, start, host, after=None):
         super().__init__()
-        self._work, self._after, self._keep, self._done = work, after, keep, False
+        self._held = _use_counts(host)
+        self._work, self._after, self._done = start(), after, False
 
     def wait(self, timeout=None) -> bool:
         if not self._done:
@@ -66,9 +103,10 @@ class _Deferred(dist.Work):
                 self._work.wait()
             else:
                 self._work.wait(timeout)
+            _wait_for_gloo_to_let_go(self._held)  # (see _run_on_host)
             if self._after is not None:
                 self._after()
-            self._done, self._keep = True, None
+            self._done, self._held = True, None
         return True
 
     def is_completed(self) -> bool:
@@ -116,7 +154,7 @@ class HostStagedGroup(dist.ProcessGroup):
 
     def _run(self, tensors, collective):
         host = _host(tensors)
-        collective(host).wait()
+        _run_on_host(lambda: collective(host), host)
         _back(tensors, host)
         return _done(tensors)
 
@@ -130,7 +168,7 @@ class HostStagedGroup(dist.ProcessGroup):
         return self._run(tensor_list, lambda host: self._gloo.reduce(host, opts))
 
     def barrier(self, opts=BarrierOptions()):
-        self._gloo.barrier(opts).wait()
+        _run_on_host(lambda: self._gloo.barrier(opts))
         return _done(None)
 
     def allreduce_coalesced(self, tensors, opts=AllreduceCoalescedOptions()):
@@ -138,19 +176,20 @@ class HostStagedGroup(dist.ProcessGroup):
 
     def send(self, tensors, dst_rank: int, tag: int = 0):
         host = _host(tensors)
-        return _Deferred(self._gloo.send(host, dst_rank, tag), keep=host)
+        return _Deferred(lambda: self._gloo.send(host, dst_rank, tag), host)
 
     def recv(self, tensors, src_rank: int, tag: int = 0):
         host = _host(tensors)
-        return _Deferred(self._gloo.recv(host, src_rank, tag), after=lambda: _back(tensors, host))
+        return _Deferred(lambda: self._gloo.recv(host, src_rank, tag), host, after=lambda: _back(tensors, host))
 
     def recv_anysource(self, tensors, tag: int = 0):
         host = _host(tensors)
-        return _Deferred(self._gloo.recv_anysource(host, tag), after=lambda: _back(tensors, host))
+        return _Deferred(lambda: self._gloo.recv_anysource(host, tag), host, after=lambda: _back(tensors, host))
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=AllToAllOptions()):
         host_out, host_in = _host([output, input])
-        self._gloo.alltoall_base(host_out, host_in, output_split_sizes, input_split_sizes, opts).wait()
+        _run_on_host(lambda: self._gloo.alltoall_base(host_out, host_in, output_split_sizes, input_split_sizes, opts),
+                     host_out, host_in)
         _back([output], [host_out])
         return _done([output])
 
@@ -158,8 +197,9 @@ class HostStagedGroup(dist.ProcessGroup):
         """gloo has only the single-tensor all-to-all: the lists go flat, split by their sizes."""
         flat_in = torch.cat([t.detach().reshape(-1).cpu() for t in input_tensors])
         flat_out = flat_in.new_empty(sum(t.numel() for t in output_tensors))
-        self._gloo.alltoall_base(flat_out, flat_in, [t.numel() for t in output_tensors],
-                                 [t.numel() for t in input_tensors], opts).wait()
+        _run_on_host(lambda: self._gloo.alltoall_base(flat_out, flat_in, [t.numel() for t in output_tensors],
+                                                      [t.numel() for t in input_tensors], opts),
+                     flat_out, flat_in)
         _back(output_tensors, [part.reshape(t.shape) for part, t in
                                zip(flat_out.split([t.numel() for t in output_tensors]), output_tensors)])
         return _done(output_tensors)
@@ -170,7 +210,7 @@ class HostStagedGroup(dist.ProcessGroup):
         reduce.reduceOp = opts.reduceOp
         for output, inputs in zip(output_tensors, input_lists):
             host = torch.stack([t.detach().cpu() for t in inputs])
-            self._gloo.allreduce([host], reduce).wait()
+            _run_on_host(lambda: self._gloo.allreduce([host], reduce), host)
             _back([output], [host[self._rank]])
         return _done(output_tensors)
 
@@ -178,7 +218,7 @@ class HostStagedGroup(dist.ProcessGroup):
         """A collective whose outputs are lists of tensors (one per rank): all_gather, gather."""
         host_in = _host(input_tensors)
         host_out = [_host(outputs) for outputs in output_tensors]
-        collective(host_out, host_in).wait()
+        _run_on_host(lambda: collective(host_out, host_in), host_out, host_in)
         for outputs, host in zip(output_tensors, host_out):
             _back(outputs, host)
         return _done(output_tensors)
@@ -194,7 +234,7 @@ class HostStagedGroup(dist.ProcessGroup):
     def scatter(self, output_tensors, input_tensors, opts=ScatterOptions()):
         host_out = _host(output_tensors)
         host_in = [_host(inputs) for inputs in input_tensors]
-        self._gloo.scatter(host_out, host_in, opts).wait()
+        _run_on_host(lambda: self._gloo.scatter(host_out, host_in, opts), host_out, host_in)
         _back(output_tensors, host_out)
         return _done(output_tensors)
 
@@ -319,7 +359,7 @@ def _host_all_reduce(input, reduce_op: str, group_name):
     opts = AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.SUM if average else getattr(dist.ReduceOp, reduce_op.upper())
     host = _host_copy(input)
-    backend.allreduce([host], opts).wait()
+    _run_on_host(lambda: backend.allreduce([host], opts), host)
     if average:
         if host.is_floating_point() or host.is_complex():
             host /= group.size()
@@ -332,7 +372,8 @@ def _host_all_gather(input, group_size: int, group_name):
     _, backend = _cpu_backend(group_name)
     host = _host_copy(input)
     out = host.new_empty((group_size * host.shape[0], *host.shape[1:]))
-    backend.allgather([list(out.chunk(group_size))], [host]).wait()
+    parts = list(out.chunk(group_size))
+    _run_on_host(lambda: backend.allgather([parts], [host]), parts, host)
     return out
 
 
@@ -347,7 +388,7 @@ def _host_broadcast(input, src: int, group_name):
     opts = BroadcastOptions()
     opts.rootRank, opts.rootTensor = src, 0
     host = _host_copy(input)
-    backend.broadcast([host], opts).wait()
+    _run_on_host(lambda: backend.broadcast([host], opts), host)
     return host
 
 
@@ -356,7 +397,8 @@ def _host_all_to_all(input, output_split_sizes, input_split_sizes, group_name):
     host = _host_copy(input)
     rows = sum(output_split_sizes) if output_split_sizes else host.shape[0]
     out = host.new_empty((rows, *host.shape[1:]))
-    backend.alltoall_base(out, host, list(output_split_sizes), list(input_split_sizes), AllToAllOptions()).wait()
+    _run_on_host(lambda: backend.alltoall_base(out, host, list(output_split_sizes), list(input_split_sizes),
+                                               AllToAllOptions()), out, host)
     return out
 
 
