@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -16,6 +17,20 @@ import threading
 import pytest
 
 os.environ.setdefault("GPUWIRE_AUTOLOAD", "1")
+
+
+def _cap_data_memory() -> None:
+    """Each test process (and what it starts) may hold at most ``GPUWIRE_TEST_MEMORY_GIB`` (8) of
+    data memory: a test that runs away fails with MemoryError and its own traceback. One CI run
+    (session 38) had the OOM killer take an xdist worker at 22 GB instead, and xdist then waited for
+    it for ever, naming nothing."""
+    limit = int(float(os.environ.get("GPUWIRE_TEST_MEMORY_GIB", "8")) * 2**30)
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard == resource.RLIM_INFINITY or hard > limit:
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+
+
+_cap_data_memory()
 
 
 class NodeProcess:
