@@ -789,12 +789,36 @@ def _index_fill(args, kwargs) -> None:
         raise RuntimeError("index_fill_(): Converting complex Scalar to non-complex type is not supported")
 
 
+def sparse_refusal(op) -> NotImplementedError:
+    """Sparse layouts have no remote form (a tensor on the wire is a strided view of one storage)."""
+    return NotImplementedError(
+        f"gpuwire: sparse tensors are not supported on the gpuwire device ({op}). Keep sparse work on the CPU, "
+        "or use dense ones: nn.Embedding(..., sparse=False) / EmbeddingBag(sparse=False) and an optimizer other "
+        "than SparseAdam")
+
+
+def _embedding_bag_dimensions(args, kwargs) -> None:
+    """``_embedding_bag``'s checks of its arguments' dimensions (ATen's ``check_arguments``; the
+    meta kernel makes none of them, and a 3-d weight came back at the next sync point)."""
+    weight, indices, offsets = args[0], _arg(args, kwargs, 1, "indices"), _arg(args, kwargs, 2, "offsets")
+    if not all(isinstance(t, torch.Tensor) for t in (weight, indices, offsets)):
+        return
+    if indices.dim() not in (1, 2):
+        raise RuntimeError(f"input has to be a 1D or 2D Tensor, but got Tensor of dimension {indices.dim()}")
+    if indices.dim() == 1 and offsets.dim() != 1:
+        raise RuntimeError(f"offsets has to be a 1D Tensor, but got Tensor of dimension {offsets.dim()}")
+    if weight.dim() != 2:
+        raise RuntimeError(f"weight has to be a 2D Tensor, but got Tensor of dimension {weight.dim()}")
+
+
 _INDEX_PUT_IN_PLACE = _checks(_index_put, _written_in_place("index_put_", expanded_warns=True,
                                                                disjoint=((1, "indices"),), partial_only=((2, "values"),)))
 _INDEX_FILL_IN_PLACE = _checks(_index_fill, _written_in_place("index_fill_", expanded_warns=True, disjoint=((2, "index"),)))
 _MASKED_FILL_IN_PLACE = _written_in_place("masked_fill_", expanded_warns=True, partial_only=((1, "mask"),))
 
 MISSED_BY_META = {
+    "aten::_embedding_bag": _embedding_bag_dimensions,
+    "aten::_embedding_bag_forward_only": _embedding_bag_dimensions,
     "aten::sub.Tensor": _sub_of_bool,
     "aten::sub_.Tensor": _sub_of_bool,
     "aten::sub.out": _sub_of_bool,
@@ -898,6 +922,7 @@ BY_VALUE = frozenset({"aten::linalg_vector_norm", "aten::linalg_vector_norm.out"
 # their kind): the client's C++ op kernels may serve these ops' later calls, a signature's first
 # call running the check through the op's plan (``_native_learn``)
 BY_SIGNATURE = frozenset({"aten::sub.Tensor", "aten::sub_.Tensor",
+                          "aten::_embedding_bag", "aten::_embedding_bag_forward_only",  # (dimensions)
                           # (its value against the dtype: a FunctionalPlan's C++ key holds Scalars by value)
                           "aten::masked_fill.Scalar",
                           "aten::_ctc_loss", "aten::_ctc_loss.Tensor",  # (a size)

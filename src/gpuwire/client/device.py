@@ -1861,7 +1861,22 @@ def _fix_embedding_bag(args, kwargs, result, forward_only: bool):
     max_shape = (bags, weight.size(1)) if mode == 2 else bag_shape
     if tuple(max_indices.shape) != max_shape:
         max_indices = max_indices.new_empty(max_shape)
-    return output, offset2bag, bag_size, max_indices
+    return _embedding_bag_index_dtype(args, kwargs, (output, offset2bag, bag_size, max_indices))
+
+
+def _embedding_bag_index_dtype(args, kwargs, result):
+    """``_embedding_bag``'s auxiliary outputs in the dtype both kernels use, indices and offsets
+    promoted to one (ATen ``promoteIndicesAndOffsets``): PyTorch's meta kernel takes the offsets'
+    dtype on CPU and the indices' elsewhere, and int64 indices with int32 offsets (or the reverse)
+    declared int32 outputs for int64 data, which the backward then refused ("expected scalar type
+    Long but found Int")."""
+    indices = args[1] if len(args) > 1 else kwargs.get("indices")
+    offsets = args[2] if len(args) > 2 else kwargs.get("offsets")
+    if not (isinstance(indices, torch.Tensor) and isinstance(offsets, torch.Tensor)) or len(result) != 4:
+        return result
+    index_dtype = torch.promote_types(indices.dtype, offsets.dtype)
+    output, *auxiliary = result
+    return (output, *(t if t.dtype == index_dtype else t.new_empty(t.shape, dtype=index_dtype) for t in auxiliary))
 
 
 # Ops whose meta kernel gives other output metadata (shape, strides, dtype) than their CPU
@@ -1878,6 +1893,19 @@ _CPU_DIFFERS_FROM_META = frozenset({
     "aten::_fft_r2c", "aten::_fft_c2r", "aten::_fft_c2c", "aten::_linalg_svd", "aten::linalg_eig",
 })
 
+def _unbatched_max_pool3d_layout(args, kwargs, result):
+    """``max_pool3d_with_indices`` of an unbatched (4-d) input laid out as one channels-last-3d
+    sample: CPU's kernel pools it as that sample and returns the output and indices in its layout,
+    where PyTorch's meta kernel keeps channels-last to 5-d inputs."""
+    source = args[0]
+    if source.dim() != 4:
+        return result
+    as_sample = torch.empty_strided((1, *source.shape), (source.numel(), *source.stride()), device="meta")
+    if torch._prims_common.suggest_memory_format(as_sample) is not torch.channels_last_3d:
+        return result
+    return tuple(r.unsqueeze(0).contiguous(memory_format=torch.channels_last_3d).squeeze(0) for r in result)
+
+
 def _multilabel_margin_cpu_outputs(args, kwargs, result):
     """``multilabel_margin_loss_forward`` of one sample (a 1-d input) without reduction: CPU's
     kernel returns a 0-d loss where the meta kernel gives shape (1,)."""
@@ -1891,6 +1919,7 @@ def _multilabel_margin_cpu_outputs(args, kwargs, result):
 # ops whose CPU kernel's output metadata differs from what fake CPU tensors give
 _CPU_KERNEL_FIXES = {
     "aten::multilabel_margin_loss_forward": _multilabel_margin_cpu_outputs,
+    "aten::max_pool3d_with_indices": _unbatched_max_pool3d_layout,
     "aten::_embedding_bag": _embedding_bag_cpu_outputs(forward_only=False),
     "aten::_embedding_bag_forward_only": _embedding_bag_cpu_outputs(forward_only=True),
     **{name: _batch_norm_layout(_norm_outputs_like_cpu(0, (1, 2, 3, 4), (1, 2))) for name in (
@@ -2378,6 +2407,8 @@ _CUDA_KERNEL_FIXES = {
     # a CUDA node runs group norm on a contiguous copy of a channels-last input (node/ops.py)
     "aten::native_group_norm": _contiguous_results,
     "aten::native_group_norm_backward": _contiguous_results,
+    "aten::_embedding_bag": _embedding_bag_index_dtype,
+    "aten::_embedding_bag_forward_only": _embedding_bag_index_dtype,
 }
 
 
@@ -2598,6 +2629,8 @@ def register() -> None:
                 _aten_library.impl(name if overload == "default" else f"{name}.{overload}",
                                    functools.partial(refused, getattr(packet, overload)), "PrivateUse1")
     _aten_library.impl("_lazy_clone", _lazy_clone, "PrivateUse1")
+    _aten_library.impl("_embedding_bag_backward", _dense_embedding_bag_gradient, "PrivateUse1")
+    _aten_library.impl("embedding_sparse_backward", _dense_embedding_gradient, "PrivateUse1")
     with warnings.catch_warnings():  # (ATen's own entry there is a fallthrough: "Overriding a ... kernel")
         warnings.simplefilter("ignore")
         _aten_library.impl("dot", _dot_of_conjugates, "Conjugate")
@@ -2803,11 +2836,41 @@ _SPARSIFYING_OPS = ("_to_sparse", "_to_sparse_csr", "_to_sparse_csc", "_to_spars
 
 
 def _sparse_refused(op, *args, **kwargs):
-    """Sparse layouts have no remote form (a tensor on the wire is a strided view of one storage)."""
-    raise NotImplementedError(
-        f"gpuwire: sparse tensors are not supported on the gpuwire device ({op}). Keep sparse work on the CPU, "
-        "or use dense ones: nn.Embedding(..., sparse=False) / EmbeddingBag(sparse=False) and an optimizer other "
-        "than SparseAdam")
+    raise checks.sparse_refusal(op)
+
+
+_DENSE_INSTEAD_OF_SPARSE = ("gpuwire: the gradient of an Embedding/EmbeddingBag(sparse=True) is a dense tensor on the "
+                            "gpuwire device (sparse tensors have no remote form): the same values, as big as the whole "
+                            "weight; an optimizer that takes sparse gradients only (SparseAdam) refuses it")
+
+
+def _warn_dense_instead_of_sparse() -> None:
+    global _warned_dense_instead_of_sparse
+    if not _warned_dense_instead_of_sparse:
+        _warned_dense_instead_of_sparse = True
+        warnings.warn(_DENSE_INSTEAD_OF_SPARSE, stacklevel=3)
+
+
+_warned_dense_instead_of_sparse = False
+
+
+def _dense_embedding_bag_gradient(*args, **kwargs):
+    """``EmbeddingBag(sparse=True)``'s backward, computed dense: the node's kernel made a sparse
+    gradient it cannot keep ("Cannot access storage of SparseTensorImpl" at the next sync point).
+    SGD, Adagrad, Adam ... take a dense gradient and update the same rows by the same amounts."""
+    if len(args) > 9 and args[9] is True:
+        _warn_dense_instead_of_sparse()
+        args = (*args[:9], False, *args[10:])
+    elif kwargs.get("sparse") is True:
+        _warn_dense_instead_of_sparse()
+        kwargs = {**kwargs, "sparse": False}
+    return _fallback(aten._embedding_bag_backward.default, *args, **kwargs)
+
+
+def _dense_embedding_gradient(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
+    """``Embedding(sparse=True)``'s backward, computed dense (see ``_dense_embedding_bag_gradient``)."""
+    _warn_dense_instead_of_sparse()
+    return aten.embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
 
 
 # the ops that make a quantized tensor from a float one (or from nothing)

@@ -100,9 +100,18 @@ def _embedding_bag_backward(op: str, a: dict) -> None:
 
 def _embedding_bag(op: str, a: dict) -> None:
     """The forward: offsets must not decrease nor point past the indices (a decreasing one read
-    other memory of the node on one thread), indices must be rows of the weight."""
+    other memory of the node on one thread), indices must be rows of the weight (said in ATen's
+    words, as the RuntimeError CPU's kernel raises). Arguments of dimensions the kernel refuses
+    are left to its own error."""
     weight, indices, offsets = a["weight"], a["indices"], a["offsets"]
-    _in_range(op, "indices", indices, 0, weight.shape[0] if weight.dim() else 0)
+    if weight.dim() != 2 or indices.dim() not in (1, 2) or (indices.dim() == 1 and getattr(offsets, "ndim", 1) != 1):
+        return
+    if isinstance(indices, torch.Tensor) and indices.numel():
+        smallest, largest = (int(v) for v in torch.aminmax(indices.detach().reshape(-1)))
+        if smallest < 0 or largest >= weight.shape[0]:
+            bad = smallest if smallest < 0 else largest
+            raise RuntimeError(f"{op}: Expected idx >= 0 && idx < num_embeddings ({weight.shape[0]}) but found "
+                               f"idx to be {bad}")
     if isinstance(offsets, torch.Tensor) and offsets.dim() == 1 and offsets.numel() and indices.dim() == 1:
         _in_range(op, "offsets", offsets, 0, indices.numel() + 1)
         if offsets.numel() > 1 and bool((offsets.diff() < 0).any()):
