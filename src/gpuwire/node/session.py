@@ -771,7 +771,7 @@ class Session:
             if type(result) is _TENSOR:
                 if len(outs) != 1:
                     raise SessionError(f"{name} returned 1 tensors, the client expected {len(outs)}")
-                self._adopt(result, outs[0])
+                self._adopt(result, outs[0], name)
                 return
             tensors = tensor_leaves(result)
             if len(tensors) != len(outs) and type(result) in (tuple, list) and len(result) == len(outs) \
@@ -787,7 +787,7 @@ class Session:
                         raise SessionError("malformed output declaration")
                     self.allocate(out[0], out[1])
                 else:
-                    self._adopt(tensor, out)
+                    self._adopt(tensor, out, name)
 
     def _native_loop_failed(self, seq: int, name: str, exc: BaseException, outs: list) -> bool:
         """The native loop's op ``name`` (frame ``seq``) raised ``exc`` in its kernel or while its
@@ -826,7 +826,7 @@ class Session:
             for key in [key for key, entry in self._views.items() if entry[2] is value]:
                 self._views.pop(key, None)
 
-    def _adopt(self, tensor, out) -> None:
+    def _adopt(self, tensor, out, name: str = "") -> None:
         """Store an op's result under the client-chosen storage id, in the layout the client
         computed; copy when the kernel chose another layout or returned an existing buffer."""
         if self._native_adopt is not None and self._native_adopt(self, tensor, out, *self._native_device):
@@ -850,6 +850,8 @@ class Session:
                     f"inference (the op's meta kernel) predicted {list(sizes)}; the meta kernel disagrees "
                     f"with the {self.device.type} kernel for these arguments")
             _check_inside_storage(tensor)
+            if tensor.dtype is not dtype:
+                _say_dtype_disagreement(name, tensor.dtype, dtype)
             fixed = torch.empty_strided(sizes, strides, dtype=dtype, device=self.device)
             fixed.copy_(tensor)
             tensor = fixed
@@ -1446,6 +1448,20 @@ def _measure(made: list, before: list, result) -> tuple:
             known.add(storage._cdata)
             fresh += storage.nbytes()
     return fresh, grown, resized
+
+
+_DTYPE_DISAGREEMENTS: set = set()
+
+
+def _say_dtype_disagreement(name: str, made, declared) -> None:
+    """A kernel's result in another dtype than the client declared is converted (the program
+    sees the declared one), and said once in the node's log: the client's shape inference
+    disagrees with the kernel there, and a later op may read the converted values differently
+    (session 39: ``_embedding_bag``'s int64 outputs declared int32)."""
+    if (name, made, declared) not in _DTYPE_DISAGREEMENTS:
+        _DTYPE_DISAGREEMENTS.add((name, made, declared))
+        log.warning("%s: the kernel made a %s result where the client declared %s (converted); the client's "
+                    "shape inference disagrees with this kernel: please report it", name or "an op", made, declared)
 
 
 def _check_inside_storage(tensor) -> None:
