@@ -6,6 +6,8 @@ for ``TransformerEncoder`` with a padding mask a nested-tensor batch, which has 
 there the encoder runs on the dense batch and zeroes the padded positions, as the nested path
 does (equal to CPU up to float rounding, padded positions exactly as CPU's)."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -194,3 +196,38 @@ def test_attention_gradients_take_the_layouts_cudas_kernels_give(device, gpu_dec
         local = [t.clone().requires_grad_() for t in inputs]
         F.scaled_dot_product_attention(*local).sum().backward()
         assert all(torch.equal(r.grad.cpu(), t.grad) for r, t in zip(remote, local))
+
+
+def test_a_transformer_encoder_scripts_and_its_script_runs_as_the_module(device):
+    """``torch.jit.script`` of any ``TransformerEncoder`` failed with "undefined value F" wherever
+    gpuwire was installed (it patches the encoder's forward, and TorchScript resolved the original
+    source's names in the patch's module), on the CPU too; then it met the patched
+    ``torch._nested_tensor_from_mask`` and could not compile a Python function."""
+    class MyLayer(nn.TransformerEncoderLayer):
+        pass
+
+    torch.manual_seed(0)
+    model = nn.TransformerEncoder(MyLayer(d_model=8, nhead=4, dim_feedforward=32, batch_first=True), num_layers=2)
+    local_script = torch.jit.script(model)
+    src, mask = torch.rand(2, 4, 8), torch.zeros(4, 4, dtype=torch.bool)
+    pad = _padding(2, 4)
+    for module in (model.eval(), local_script.eval()):
+        with torch.no_grad():
+            assert torch.equal(module(src, mask=mask), model(src, mask=mask))
+    remote = copy.deepcopy(model).to(device)
+    remote_script = torch.jit.script(remote).eval()
+    with torch.no_grad():
+        eager = remote(src.to(device), mask=mask.to(device)).cpu()
+        scripted = remote_script(src.to(device), mask=mask.to(device)).cpu()
+        assert torch.equal(scripted, eager)
+        assert torch.allclose(eager, model(src, mask=mask), atol=1e-6)
+        # with a padding mask the script takes PyTorch's nested-tensor path, which the device has
+        # not (the eager module runs it dense): said at the call, with the ways around it
+        with pytest.raises(RuntimeError, match="enable_nested_tensor=False"):
+            remote_script(src.to(device), src_key_padding_mask=pad.to(device))
+        remote.use_nested_tensor = False
+        padded = torch.jit.script(remote).eval()(src.to(device), src_key_padding_mask=pad.to(device)).cpu()
+        dense = copy.deepcopy(model)
+        dense.use_nested_tensor = False  # (the padded positions then hold values, not zeros)
+        assert torch.allclose(padded, dense(src, src_key_padding_mask=pad), atol=1e-5)
+        assert torch.ones(2, device=device).sum().item() == 2.0  # the session goes on

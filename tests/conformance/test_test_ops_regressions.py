@@ -1401,3 +1401,11 @@ def test_unbatched_channels_last_3d_max_pool_keeps_cpu_layout(device):
         for a, b in zip(remote, local):
             assert a.stride() == b.stride()
             assert torch.equal(a.detach().cpu(), b.detach())
+
+
+def test_attention_of_one_dimensional_inputs_raises_atens_error(device):
+    """PyTorch's test_transformers.py: a 1-d query reached the client's output-shape code of
+    ``scaled_dot_product_attention`` and raised IndexError; CPU and CUDA raise ATen's RuntimeError."""
+    query, key = torch.randn(4, device=device), torch.randn(1, 4, device=device)
+    with pytest.raises(RuntimeError, match="at least 2 dimensional, but got query.dim: 1 key.dim: 2"):
+        torch.nn.functional.scaled_dot_product_attention(query, key, key)

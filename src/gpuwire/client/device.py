@@ -2630,6 +2630,7 @@ def register() -> None:
                                    functools.partial(refused, getattr(packet, overload)), "PrivateUse1")
     _aten_library.impl("_lazy_clone", _lazy_clone, "PrivateUse1")
     _aten_library.impl("_embedding_bag_backward", _dense_embedding_bag_gradient, "PrivateUse1")
+    _aten_library.impl("_nested_tensor_from_mask", _scripted_encoder_nested_batch, "PrivateUse1")
     _aten_library.impl("embedding_sparse_backward", _dense_embedding_gradient, "PrivateUse1")
     with warnings.catch_warnings():  # (ATen's own entry there is a fallthrough: "Overriding a ... kernel")
         warnings.simplefilter("ignore")
@@ -2888,6 +2889,17 @@ def _quantized_refused(op, *args, **kwargs):
         f"gpuwire: quantized tensors are not supported on the gpuwire device ({op}). Quantize and run quantized "
         "models on the CPU, or keep the model in floating point (bfloat16 / float16) on the device; "
         "x.dequantize() gives a float tensor you can move to it")
+
+
+def _scripted_encoder_nested_batch(*args, **kwargs):
+    """``_nested_tensor_from_mask`` reached on the device: only a TorchScript-compiled
+    ``TransformerEncoder`` gets here (in eager mode it runs the dense batch, ``shims``), on its
+    eval-mode fast path with a padding mask, which builds a strided nested tensor."""
+    raise NotImplementedError(
+        "gpuwire: a TorchScript TransformerEncoder in eval mode given a src_key_padding_mask takes PyTorch's "
+        "nested-tensor fast path, which the gpuwire device does not have: run the encoder in eager mode (gpuwire "
+        "runs that path on the dense batch), or build it with nn.TransformerEncoder(..., enable_nested_tensor=False) "
+        "(or set encoder.use_nested_tensor = False) before scripting it")
 
 
 def _strided_nested_refused(op, *args, **kwargs):

@@ -248,6 +248,9 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     if _has_subclass(query, key, value, attn_mask):
         return torch.ops.aten.scaled_dot_product_attention.default.decompose(
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    if query.dim() < 2 or key.dim() < 2 or value.dim() < 2:  # (ATen's words; the shapes below need two)
+        raise RuntimeError(f"Expected query, key, and value to all be  at least 2 dimensional, but got query.dim: "
+                           f"{query.dim()} key.dim: {key.dim()} and value.dim: {value.dim()} instead.")
     args = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     forward_ad = torch.autograd.forward_ad._current_level >= 0
     if not forward_ad and (not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in args[:4])):

@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import functools
 import secrets
+import sys
 import threading
+import types
 
 import torch
 
@@ -264,15 +266,17 @@ def _patch_transformer_encoder() -> None:
         return original_from_mask(t, mask, mask_check=mask_check)
 
     torch._nested_tensor_from_mask = nested_tensor_from_mask
+    # (TorchScript compiles a call of it, in the forward below, as the ATen op it replaces)
+    torch.jit._builtins._register_builtin(nested_tensor_from_mask, "aten::_nested_tensor_from_mask")
     encoder = torch.nn.TransformerEncoder
     original_forward = encoder.forward
+    dense_instead = _DenseInstead
 
-    @functools.wraps(original_forward)
     def forward(self, src, mask=None, src_key_padding_mask=None, is_causal=None):
         try:
             return original_forward(self, src, mask=mask, src_key_padding_mask=src_key_padding_mask,
                                     is_causal=is_causal)
-        except _DenseInstead:
+        except dense_instead:
             pass
         norm, nested = self.norm, self.use_nested_tensor
         self.norm, self.use_nested_tensor = None, False
@@ -287,7 +291,13 @@ def _patch_transformer_encoder() -> None:
         out = out.masked_fill(padded.unsqueeze(-1), 0.0)
         return norm(out) if norm is not None else out
 
-    encoder.forward = forward
+    # ``torch.jit.script`` compiles the source it finds behind ``__wrapped__`` (the original
+    # forward) but resolves its names in the globals of the function it was handed: this one runs
+    # in the transformer module's globals (its own names are closure cells), or scripting any
+    # TransformerEncoder failed with "undefined value F" wherever gpuwire was installed
+    forward = types.FunctionType(forward.__code__, sys.modules[original_forward.__module__].__dict__,
+                                 forward.__name__, forward.__defaults__, forward.__closure__)
+    encoder.forward = functools.update_wrapper(forward, original_forward)
 
 
 def _patch_accelerator() -> None:
