@@ -128,3 +128,19 @@ def test_a_client_without_the_capability_gets_no_warning_notices(fresh_node):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[1.0, 0.0] [] None", done.stdout
     assert "where received a uint8 condition tensor" in fresh_node.log_text()
+
+
+def test_the_nodes_own_complex32_tensors_say_nothing_on_its_stderr(fresh_node):
+    """The node's views and result storage of complex32 tensors printed "ComplexHalf support is
+    experimental" on its stderr (the embedded node's is the program's terminal) at their first
+    use; the client says it once, where the program makes one."""
+    code = textwrap.dedent(f"""
+        import warnings, torch, gpuwire
+        warnings.simplefilter("ignore")
+        x = torch.randn(8).to(torch.complex32).to("gpuwire")
+        print((x * 2).to(torch.complex64).cpu().abs().sum().item() > 0)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "GPUWIRE_NODE": fresh_node.address})
+    assert done.stdout.strip() == "True", done.stderr
+    assert "ComplexHalf support is experimental" not in fresh_node.log_text()

@@ -86,6 +86,9 @@ _unpack_tensor_ref_fields = codec.unpack_tensor_ref_fields
 _pack_descriptor = msgpack.Packer(use_bin_type=True, autoreset=True).pack
 
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
+# the node's own complex32 tensors (views, results' storage) would say it on the node's stderr at
+# every first use; the client says it once where the program makes one (``device._warn_complex_half``)
+warnings.filterwarnings("ignore", message="ComplexHalf support is experimental")
 # the allocation guard's meta run of a range factory's out= kernel resizes an out whose number of
 # elements is right (``RESIZED_ONLY_BY_NUMEL``), and its Python meta kernel warns of it: the real
 # kernel will not resize it. (Scoped to that module: a CPU kernel's own warning comes from C++.)
