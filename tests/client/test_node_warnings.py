@@ -134,7 +134,7 @@ def test_the_nodes_own_complex32_tensors_say_nothing_on_its_stderr(fresh_node):
     """The node's views and result storage of complex32 tensors printed "ComplexHalf support is
     experimental" on its stderr (the embedded node's is the program's terminal) at their first
     use; the client says it once, where the program makes one."""
-    code = textwrap.dedent(f"""
+    code = textwrap.dedent("""
         import warnings, torch, gpuwire
         warnings.simplefilter("ignore")
         x = torch.randn(8).to(torch.complex32).to("gpuwire")
