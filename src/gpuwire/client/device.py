@@ -1870,8 +1870,7 @@ def _embedding_bag_index_dtype(args, kwargs, result):
     dtype on CPU and the indices' elsewhere, and int64 indices with int32 offsets (or the reverse)
     declared int32 outputs for int64 data, which the backward then refused ("expected scalar type
     Long but found Int")."""
-    indices = args[1] if len(args) > 1 else kwargs.get("indices")
-    offsets = args[2] if len(args) > 2 else kwargs.get("offsets")
+    indices, offsets = _get_arg(args, kwargs, 1, "indices", False), _get_arg(args, kwargs, 2, "offsets", False)
     if not (isinstance(indices, torch.Tensor) and isinstance(offsets, torch.Tensor)) or len(result) != 4:
         return result
     index_dtype = torch.promote_types(indices.dtype, offsets.dtype)
