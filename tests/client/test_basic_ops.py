@@ -1,5 +1,6 @@
 """Everyday tensor work on the gpuwire device, compared with the same work on CPU."""
 
+import copy
 import gc
 
 import pytest
@@ -569,6 +570,35 @@ def test_data_assignment_moves_a_parameter_across_the_boundary_keeping_the_objec
     with pytest.raises(RuntimeError, match=r"incompatible tensor type.*Use `tensor.to\(...\)`"):
         pinned.data = torch.ones(3)
     del view
+
+
+def test_deleting_a_tensors_data_raises_pytorchs_error():
+    """gpuwire's ``Tensor.data`` property (above) kept PyTorch's refusal to delete it: ``del
+    x.data`` said "property of 'Tensor' object has no deleter" (an AttributeError) on every
+    tensor, host ones too, wherever gpuwire was installed."""
+    host = torch.ones(2, requires_grad=True)
+    with pytest.raises(RuntimeError, match="Deleting tensor data is not allowed"):
+        del host.data
+    assert torch.equal(host.data, torch.ones(2))
+
+
+def test_data_parallel_runs_a_host_model_on_the_device(device):
+    """With gpuwire installed, ``nn.DataParallel`` picks the gpuwire device as it picks ``cuda:0``
+    on a machine with a GPU (the model moves there); its scatter is CUDA-only C++
+    (``torch._C._scatter`` raised AttributeError), so the module runs on the whole batch."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    reference = copy.deepcopy(model)
+    inputs = torch.randn(5, 4)
+    parallel = torch.nn.DataParallel(model)
+    assert next(model.parameters()).device.type == "gpuwire"
+    out = parallel(inputs)
+    assert out.device.type == "gpuwire"
+    out.sum().backward()
+    expected = reference(inputs)
+    expected.sum().backward()
+    assert torch.equal(out.detach().cpu(), expected.detach())
+    assert torch.equal(model[0].weight.grad.cpu(), reference[0].weight.grad)
 
 
 def test_torch_accelerator_memory_api_reports_the_devices_memory(device):

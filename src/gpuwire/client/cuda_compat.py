@@ -672,25 +672,6 @@ def _patch_accelerator() -> None:
     torch.accelerator.current_accelerator = current_accelerator
 
 
-def _patch_data_parallel() -> None:
-    """``nn.DataParallel`` over the one gpuwire device: scattering uses CUDA-only C++ kernels,
-    so it runs the module directly (after moving host inputs to the device, as scatter would)."""
-    from torch.nn.parallel import DataParallel
-    from torch.utils._pytree import tree_map
-    original_forward = DataParallel.forward
-
-    def to_device(value):
-        return value.to(GPUWIRE) if isinstance(value, torch.Tensor) and value.is_cpu else value
-
-    @functools.wraps(original_forward)
-    def forward(self, *inputs, **kwargs):
-        if len(self.device_ids) <= 1:
-            return self.module(*tree_map(to_device, inputs), **tree_map(to_device, kwargs))
-        return original_forward(self, *inputs, **kwargs)
-
-    DataParallel.forward = forward
-
-
 def _patch_threads() -> None:
     """Push the mode in every thread started through ``threading`` from now on: programs and
     libraries move tensors to ``"cuda"`` from worker threads (``transformers`` loads checkpoint
@@ -894,7 +875,6 @@ def enable() -> None:
     _patch_serialization()
     _patch_default_device()
     _patch_compile()
-    _patch_data_parallel()
     _patch_distributed()
     _patch_accelerator()
     _patch_threads()

@@ -352,7 +352,41 @@ def _patch_data_assignment() -> None:
                     f"it, which this one refuses ({swap_error}). Use `tensor.to(...)` and keep the new tensor, "
                     "or move the module with `module.to(...)`.") from exc
 
-    torch.Tensor.data = property(get_data, set_data, doc=descriptor.__doc__)
+    def delete_data(self):  # PyTorch's own refusal, not property's "has no deleter"
+        descriptor.__delete__(self)
+
+    torch.Tensor.data = property(get_data, set_data, delete_data, doc=descriptor.__doc__)
+
+
+def _patch_data_parallel() -> None:
+    """``nn.DataParallel`` over the gpuwire device, natively or as ``"cuda"`` under ``gpuwire run``:
+    its scatter and gather are CUDA-only C++ kernels (``torch._C._scatter``: an AttributeError
+    here), and every device index of a session is the same GPU, so the module runs once on the
+    whole batch, after host inputs move to the device as scatter would move them. PyTorch picks
+    the device itself: with gpuwire installed, ``DataParallel(cpu_model)`` moves the model to the
+    gpuwire device, as it moves it to ``cuda:0`` on a machine with a GPU."""
+    from torch.nn.parallel import DataParallel
+    from torch.utils._pytree import tree_map
+    original_forward = DataParallel.forward
+
+    def served_here(device: torch.device) -> bool:
+        if device.type == DEVICE_TYPE:
+            return True
+        from . import cuda_compat
+        return device.type == "cuda" and cuda_compat.enabled()
+
+    @functools.wraps(original_forward)
+    def forward(self, *inputs, **kwargs):
+        if not self.device_ids or not served_here(self.src_device_obj):
+            return original_forward(self, *inputs, **kwargs)
+        device = self.src_device_obj
+
+        def to_device(value):
+            return value.to(device) if isinstance(value, torch.Tensor) and value.is_cpu else value
+
+        return self.module(*tree_map(to_device, inputs), **tree_map(to_device, kwargs))
+
+    DataParallel.forward = forward
 
 
 def install() -> None:
@@ -363,6 +397,7 @@ def install() -> None:
     _patch_data_assignment()
     _patch_transformer_encoder()
     _patch_accelerator()
+    _patch_data_parallel()
     from . import distributed, sharing
     distributed.install()
     sharing.install()
