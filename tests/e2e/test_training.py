@@ -289,3 +289,47 @@ def test_masked_bert_step_costs_one_round_trip(device):
         results.append(losses)
     assert results[1] == results[0]
     assert trips[2:] == [1, 1, 1, 1], trips  # (the first padded and unpadded steps learn layouts)
+
+
+def test_quantization_aware_training_bit_for_bit(device):
+    """QAT as PyTorch's tutorial sets it up (fused conv-bn-relu, ``get_default_qat_qconfig``):
+    every weight goes through the fused observer + fake quantizer, whose kernel sizes its
+    per-channel state on the first call. That resize happened on the node only, and from the
+    second step on the scales drifted from CPU's."""
+    import warnings
+
+    import torch.ao.quantization as quantization
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.quant, self.dequant = quantization.QuantStub(), quantization.DeQuantStub()
+            self.conv, self.bn, self.relu = torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU()
+            self.fc = torch.nn.Linear(4 * 6 * 6, 2)
+
+        def forward(self, x):
+            return self.dequant(self.fc(self.relu(self.bn(self.conv(self.quant(x)))).flatten(1)))
+
+    batches = [torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    results = []
+    for dev in ("cpu", device):
+        torch.manual_seed(0)
+        model = Net().train()
+        model.qconfig = quantization.get_default_qat_qconfig("fbgemm")
+        with warnings.catch_warnings():  # (PyTorch's deprecation notices of torch.ao.quantization)
+            warnings.simplefilter("ignore")
+            model = quantization.fuse_modules_qat(model, [["conv", "bn", "relu"]])
+            quantization.prepare_qat(model, inplace=True)
+        model.to(dev)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)
+        losses = []
+        for x in batches:
+            loss = model(x.to(dev)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        results.append((losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}))
+    assert results[0][0] == results[1][0]
+    assert results[0][1]["conv.weight_fake_quant.scale"].shape == (4,)
+    assert_states_equal(results[0][1], results[1][1])

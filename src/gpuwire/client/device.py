@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import sys
 import threading
@@ -2631,6 +2632,7 @@ def register() -> None:
     _aten_library.impl("_embedding_bag_backward", _dense_embedding_bag_gradient, "PrivateUse1")
     _aten_library.impl("_nested_tensor_from_mask", _scripted_encoder_nested_batch, "PrivateUse1")
     _aten_library.impl("embedding_sparse_backward", _dense_embedding_gradient, "PrivateUse1")
+    _aten_library.impl("_fused_moving_avg_obs_fq_helper", _observer_state_sized_per_channel, "PrivateUse1")
     with warnings.catch_warnings():  # (ATen's own entry there is a fallthrough: "Overriding a ... kernel")
         warnings.simplefilter("ignore")
         _aten_library.impl("dot", _dot_of_conjugates, "Conjugate")
@@ -2871,6 +2873,27 @@ def _dense_embedding_gradient(grad, indices, num_weights, padding_idx, scale_gra
     """``Embedding(sparse=True)``'s backward, computed dense (see ``_dense_embedding_bag_gradient``)."""
     _warn_dense_instead_of_sparse()
     return aten.embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)
+
+
+def _observer_state_sized_per_channel(self, observer_on, fake_quant_on, running_min, running_max, scale, zero_point,
+                                      averaging_const, quant_min, quant_max, ch_axis, per_row_fake_quant=False,
+                                      symmetric_quant=False):
+    """Quantization-aware training's fused observer and fake quantizer (``FusedMovingAvgObsFakeQuantize``,
+    every ``get_default_qat_qconfig`` weight). Per channel, its kernel sizes the observer's state
+    on the first call (``running_min``/``running_max`` from 0 elements, ``scale``/``zero_point``
+    from 1 to one per channel): a kernel's resize of its in-place arguments happens on the node
+    only, so the client's tensors kept their old sizes and from the second step on the node
+    read one channel's scale for all (training drifted from CPU's). The sizing is done here,
+    as the kernel does it, and the kernel then finds its state sized."""
+    if per_row_fake_quant and running_min.numel() == 0:
+        channels = self.size(ch_axis)
+        running_min.resize_(channels).fill_(math.inf)
+        running_max.resize_(channels).fill_(-math.inf)
+        scale.resize_(channels)
+        zero_point.resize_(channels)
+    return _fallback(aten._fused_moving_avg_obs_fq_helper.default, self, observer_on, fake_quant_on, running_min,
+                     running_max, scale, zero_point, averaging_const, quant_min, quant_max, ch_axis,
+                     per_row_fake_quant, symmetric_quant)
 
 
 # the ops that make a quantized tensor from a float one (or from nothing)
