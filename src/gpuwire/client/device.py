@@ -883,6 +883,18 @@ def _dtypes_unproven(name: str, args, kwargs) -> bool:
     return True
 
 
+def _data_dependent(op) -> bool:
+    """PyTorch's tags for an op (or, for an ``out=`` overload, its functional one: ``index.Tensor_out``)."""
+    tags = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output}
+    if tags & set(getattr(op, "tags", ())):
+        return True
+    overload = getattr(op, "_overloadname", "")
+    if not overload.endswith("out"):
+        return False
+    functional = getattr(op.overloadpacket, overload[:-len("out")].rstrip("_") or "default", None)
+    return functional is not None and bool(tags & set(functional.tags))
+
+
 class FunctionalPlan:
     """Ops that return fresh tensors: metadata from the meta kernel, cached by signature."""
 
@@ -890,6 +902,9 @@ class FunctionalPlan:
         self.name = _op_name(op)
         self.meta_op = op
         self.cache: dict = {}
+        # ops whose result's shape or value only the data gives (``nonzero``, ``masked_select``,
+        # ``unique``, ``x[mask]``): where their meta kernel gives up, fake tensors would too
+        self.data_dependent = _data_dependent(op)
         self.sources = _alias_sources(op)
         self.numbers = _number_slots(op)
         # a number in a Tensor slot counts by its kind; a Scalar argument by kind and value
@@ -930,7 +945,9 @@ class FunctionalPlan:
         try:
             result = self.meta_op(*meta_args, **meta_kwargs)
         except (torch._subclasses.fake_tensor.DynamicOutputShapeException, NotImplementedError):
-            return self._compute_as_cpu(args, kwargs) if as_cpu else SYNC
+            # (a fake mode's first use imports torch._dynamo: ~1 s the first time a program
+            # prints a tensor or selects by a mask, to learn that the node must answer)
+            return self._compute_as_cpu(args, kwargs) if as_cpu and not self.data_dependent else SYNC
         except Exception:  # noqa: BLE001 - let the node raise the real error (same message as local)
             if not as_cpu:
                 return None

@@ -358,6 +358,47 @@ def _patch_data_assignment() -> None:
     torch.Tensor.data = property(get_data, set_data, delete_data, doc=descriptor.__doc__)
 
 
+_PRINT_LOCK = threading.Lock()
+
+
+def _patch_tensor_printing() -> None:
+    """``print(x)`` of a device tensor in one round trip. PyTorch's formatter reads the tensor
+    piece by piece (the finite values' range, then each printed row with ``tolist()``): 7
+    round trips for a scalar loss, 25 for a 20x20 matrix, each a network round trip to the
+    node. The values it prints are downloaded at once and formatted by PyTorch's own code on
+    the host: the whole tensor when PyTorch would print it whole; else, along every dimension
+    PyTorch elides, its edge items around one placeholder slice, printed with the same
+    elision (the placeholder is what ``...`` stands for), so the text is PyTorch's own."""
+    from torch import _tensor_str as printing
+    original = printing._tensor_str
+    options = printing.PRINT_OPTS
+
+    @functools.wraps(original)
+    def tensor_str(self, indent):
+        if not on_device(self) or self.numel() == 0 or self._is_zerotensor():
+            return original(self, indent)
+        if self.numel() <= options.threshold:
+            return original(self.cpu(), indent)
+        edge = options.edgeitems
+        if edge <= 0:
+            return original(self, indent)
+        shown = self
+        for dim, size in enumerate(self.shape):
+            if size > 2 * edge:
+                kept = [*range(edge), edge - 1, *range(size - edge, size)]  # (``edge - 1``: the placeholder)
+                shown = shown.index_select(dim, torch.tensor(kept, device=self.device))
+        shown = shown.cpu()
+        with _PRINT_LOCK:
+            threshold = options.threshold
+            options.threshold = min(threshold, shown.numel() - 1)  # (elided as ``self`` is)
+            try:
+                return original(shown, indent)
+            finally:
+                options.threshold = threshold
+
+    printing._tensor_str = tensor_str
+
+
 def _patch_data_parallel() -> None:
     """``nn.DataParallel`` over the gpuwire device, natively or as ``"cuda"`` under ``gpuwire run``:
     its scatter and gather are CUDA-only C++ kernels (``torch._C._scatter``: an AttributeError
@@ -398,6 +439,7 @@ def install() -> None:
     _patch_transformer_encoder()
     _patch_accelerator()
     _patch_data_parallel()
+    _patch_tensor_printing()
     from . import distributed, sharing
     distributed.install()
     sharing.install()
