@@ -36,7 +36,9 @@ check("get_device_properties printed as CUDA's", lambda: repr(torch.cuda.get_dev
 check("NVML readings", lambda: [torch.cuda.utilization(), torch.cuda.temperature(), torch.cuda.power_draw(),
                                 torch.cuda.clock_rate(), torch.cuda.memory_usage()])
 check("torch.cuda.nccl.version", lambda: list(torch.cuda.nccl.version()))
-check("jiterator refused", lambda: torch.cuda.jiterator._create_jit_fn("template <typename T> T f(T x) { return x; }"))
+# (made at import by modules, PyTorch's OpInfo database among them: refused only when called)
+jiterator_kernel = torch.cuda.jiterator._create_jit_fn("template <typename T> T f(T x) { return x; }")
+check("jiterator refused", lambda: jiterator_kernel(torch.ones(2, device="cuda")))
 check("caching_allocator_alloc refused", lambda: torch.cuda.caching_allocator_alloc(1024))
 
 
@@ -54,6 +56,36 @@ def memory_stats():
 
 check("memory_allocated/max_memory_allocated/reset_peak/empty_cache", memory_stats)
 check("synchronize", lambda: torch.cuda.synchronize())
+
+
+def synchronize_refuses_the_cpu():
+    try:
+        torch.cuda.synchronize("cpu")
+    except ValueError as exc:
+        return "Expected a cuda device" in str(exc)
+    return False
+
+
+check("synchronize('cpu') refused", synchronize_refuses_the_cpu)
+
+
+def device_mismatch_messages():
+    """A host tensor among "cuda" ones: the message names cuda:0 (PyTorch's own checks said
+    gpuwire:0) and, for ``host @ cuda``, the host operand (it named an ``out`` the program never
+    passed)."""
+    host, gpu = torch.ones(2, 2), torch.ones(2, 2, device="cuda")
+    said = []
+    for call in (lambda: host + gpu, lambda: host @ gpu, lambda: gpu @ host):
+        try:
+            call()
+            said.append("no error")
+        except RuntimeError as exc:
+            said.append(str(exc))
+    return [all("cuda:0" in s and "gpuwire" not in s for s in said), "got self is on cpu" in said[1],
+            "got mat2 is on cpu" in said[2]]
+
+
+check("device mismatch messages name cuda:0", device_mismatch_messages)
 
 
 def events():
@@ -78,6 +110,26 @@ def streams():
 
 
 check("Stream", streams)
+
+
+def stream_identity():
+    """Streams are distinct objects (every stream was equal to every other, and the current
+    stream never changed); PyTorch's test harness switches them with ``torch._C._cuda_setStream``
+    (an AttributeError before session 40, before every CUDA test of a TestCase that asks for it)."""
+    default, first, second = torch.cuda.default_stream(), torch.cuda.Stream(), torch.cuda.Stream()
+    distinct = default != first and first != second and len({default, first, second}) == 3
+    with torch.cuda.stream(first):
+        inside = torch.cuda.current_stream() == first
+    restored = torch.cuda.current_stream() == default
+    torch._C._cuda_setStream(stream_id=second.stream_id, device_index=second.device_index,
+                             device_type=second.device_type)
+    switched = torch.cuda.current_stream() == second
+    torch._C._cuda_setStream(stream_id=0, device_index=0, device_type=default.device_type)
+    torch._C._cuda_setDevice(torch._C._cuda_getDevice())
+    return [distinct, inside, restored, switched, torch.cuda.current_stream() == default, default.cuda_stream == 0]
+
+
+check("streams are distinct; _cuda_setStream", stream_identity)
 
 
 def rng():
@@ -542,7 +594,8 @@ def legacy_types():
     return [str(x.device) == "cuda:0", x.tolist() == [1.5, 2.5], isinstance(x, torch.cuda.FloatTensor),
             not isinstance(x, torch.cuda.LongTensor), x.type() == "torch.cuda.FloatTensor",
             empty.shape == (2, 3) and empty.dtype == torch.int64, cast.dtype == torch.float64 and cast.is_cuda,
-            by_name.dtype == torch.float16 and by_name.is_cuda]
+            by_name.dtype == torch.float16 and by_name.is_cuda,
+            torch.cuda.FloatTensor().shape == (0,)]  # (no arguments: an empty tensor, as CUDA's)
 
 
 check("torch.cuda.FloatTensor and friends", legacy_types)
@@ -553,9 +606,20 @@ def memory_fraction():
     torch.cuda.set_per_process_memory_fraction(0.5)
     try:
         torch.empty(int(total * 0.6) // 4, device="cuda")
+        return False
     except torch.OutOfMemoryError as exc:
-        return "memory budget" in str(exc)
-    return False
+        refused_past_the_cap = "memory budget" in str(exc)
+    # a later call replaces the cap (it only ever lowered it before session 40), and its
+    # argument is checked as CUDA's is
+    torch.cuda.set_per_process_memory_fraction(0.01)
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    fits_again = torch.empty(int(total * 0.02) // 4, device="cuda").numel() > 0
+    try:
+        torch.cuda.set_per_process_memory_fraction(1)
+        type_checked = False
+    except TypeError as exc:
+        type_checked = "must be `float`" in str(exc)
+    return [refused_past_the_cap, fits_again, type_checked]
 
 
 check("set_per_process_memory_fraction", memory_fraction)

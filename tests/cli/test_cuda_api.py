@@ -34,6 +34,8 @@ WORKS = ["is_available", "device_count", "get_device_name", "get_device_properti
          "cuda:1 refused with one GPU", "torch.cuda.default_generators", "torch.compile", "nn.DataParallel",
          "torch.accelerator", "torch.cuda.nvtx", "double backward through attention", "Generator(device='cuda')", "torch.cuda.FloatTensor and friends",
          "set_per_process_memory_fraction", "torch.cuda.device / device_of / StreamContext",
+         "synchronize('cpu') refused", "device mismatch messages name cuda:0",
+         "streams are distinct; _cuda_setStream",
          "is_current_stream_capturing", "can_device_access_peer / get_allocator_backend",
          "pinned factories, safetensors load_file/safe_open(device='cuda')",
          "extension op with a CPU kernel on cuda tensors", "numpy() of a cuda tensor refused as CUDA does"]

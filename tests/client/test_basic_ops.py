@@ -601,6 +601,19 @@ def test_data_parallel_runs_a_host_model_on_the_device(device):
     assert torch.equal(model[0].weight.grad.cpu(), reference[0].weight.grad)
 
 
+def test_memory_allocated_drops_as_soon_as_a_tensor_is_dropped(device):
+    """The frees of dropped tensors go out with the memory query: ``memory_allocated()`` right
+    after ``del x`` counted x until the next synchronize (or 256 allocations later)."""
+    gc.collect()
+    gpuwire.synchronize()
+    before = torch.accelerator.memory_allocated()
+    x = torch.empty(250_000, device=device)
+    assert torch.accelerator.memory_allocated() == before + 1_000_000
+    del x
+    assert torch.accelerator.memory_allocated() == before
+    assert torch.accelerator.memory_stats()["allocated_bytes.all.current"] == before
+
+
 def test_torch_accelerator_memory_api_reports_the_devices_memory(device):
     # (a device backed from Python has no C++ DeviceAllocator: these asserted inside PyTorch)
     assert torch.accelerator.current_accelerator().type == "gpuwire"

@@ -428,3 +428,24 @@ def test_one_call_resizing_two_outs_warns_as_locally(device):
                 torch.linalg.slogdet(a, out=(sign, logabsdet))
             counts.append(sum("was resized" in str(w.message) for w in said))
         assert counts[1] == counts[0], (action, counts)
+
+
+def test_assert_async_checks_as_a_gpu_does(device):
+    """``torch._assert_async`` (``torch._check`` in exported programs, jagged nested tensors)
+    was refused by the node, even when its condition held. As on CUDA its size is checked at
+    the call and its value at the next sync point, with the CPU kernel's words; the session
+    goes on after a failed one (on a CUDA node it is never a device-side assert)."""
+    torch._assert_async(torch.tensor(1, device=device))
+    torch._assert_async(torch.tensor(True, device=device), "holds")
+    gpuwire.synchronize()
+    with pytest.raises(RuntimeError, match="no values is ambiguous"):
+        torch._assert_async(torch.tensor([], device=device))
+    with pytest.raises(RuntimeError, match="more than one value is ambiguous"):
+        torch._assert_async(torch.ones(2, device=device))
+    torch._assert_async(torch.tensor(0.0, device=device), "the batch must not be empty")
+    with pytest.raises(gpuwire.RemoteError, match="the batch must not be empty"):
+        gpuwire.synchronize()
+    torch._assert_async(torch.tensor(0, device=device))
+    with pytest.raises(gpuwire.RemoteError, match="Expected Tensor with single nonzero value, but got zero"):
+        gpuwire.synchronize()
+    assert torch.equal(torch.arange(3, device=device).cpu(), torch.arange(3))

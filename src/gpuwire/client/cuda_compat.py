@@ -149,9 +149,22 @@ class CudaToGpuwire(TorchFunctionMode):
                     return func(*args, **kwargs) if kwargs else func(*args)
                 finally:
                     _inside.depth = depth
-        return func(*args, **kwargs) if kwargs else func(*args)
+        try:
+            return func(*args, **kwargs) if kwargs else func(*args)
+        except RuntimeError as exc:
+            _as_the_program_names_devices(exc)
+            raise
 
 
+def _as_the_program_names_devices(exc: RuntimeError) -> None:
+    """PyTorch's own checks name the device ``gpuwire:0`` ("found at least two devices,
+    gpuwire:0 and cpu!"): a program that runs on ``"cuda"`` reads ``cuda:0``, as its tensors'
+    ``device`` says."""
+    if exc.args and isinstance(exc.args[0], str) and _SHOWN_AS_GPUWIRE in exc.args[0]:
+        exc.args = (exc.args[0].replace(_SHOWN_AS_GPUWIRE, "cuda:0"), *exc.args[1:])
+
+
+_SHOWN_AS_GPUWIRE = f"{DEVICE_TYPE}:0"
 _TENSOR_TO, _TENSOR_CUDA = torch.Tensor.to, torch.Tensor.cuda
 # per type of ``func``: does calling it run Python code of PyTorch's (see ``_inside``)?
 _RUNS_PYTHON: dict = {}
@@ -198,13 +211,25 @@ def _capability_of(info: dict) -> tuple[int, int]:
 
 # (the device module's streams and events: the same objects under torch.cuda)
 Event, Stream = _torch_module.Event, _torch_module.Stream
-_default_stream, _stream_context = _torch_module.current_stream, _torch_module.stream
+_current_stream, _stream_context = _torch_module.current_stream, _torch_module.stream
 
 
 def _unsupported(what: str, instead: str):
     def fail(*args, **kwargs):
         raise NotSupportedByGpuwire(f"{what} is not supported by gpuwire (the GPU is across the network): {instead}")
     return fail
+
+
+def _jiterator_refused_when_called(name: str):
+    """``torch.cuda.jiterator``: the kernel it makes is CUDA C++ compiled here, so calling it is
+    refused; making one is not (as CUDA compiles it at the first call): modules build theirs at
+    import (PyTorch's own OpInfo database does), and importing them must work."""
+    refused = _unsupported(f"a torch.cuda.jiterator.{name} kernel",
+                           "write the kernel with PyTorch ops, which run on the remote GPU")
+
+    def create(*args, **kwargs):
+        return refused
+    return create
 
 
 class _CUDAGraph:
@@ -235,7 +260,7 @@ def _cuda_functions() -> dict:
         "get_device_capability": _capability,
         "get_arch_list": lambda: ["sm_80"],
         "is_bf16_supported": lambda including_emulation=True: True,
-        "synchronize": lambda device=None: _device.runtime().synchronize(),
+        "synchronize": _synchronize,
         **{name: getattr(tm, name) for name in (
             "mem_get_info", "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
             "reset_peak_memory_stats", "reset_max_memory_allocated", "reset_accumulated_memory_stats",
@@ -253,10 +278,10 @@ def _cuda_functions() -> dict:
         "set_rng_state_all": tm.set_rng_state_all,
         "Event": Event,
         "Stream": Stream,
-        "current_stream": _default_stream,
-        "default_stream": _default_stream,
+        "current_stream": _current_stream,
+        "default_stream": _torch_module.default_stream,
         "stream": _stream_context,
-        "set_stream": lambda stream: None,
+        "set_stream": _torch_module.set_stream,
         "utilization": _utilization,
         # NVML's sensors (torch asks pynvml, which needs a local driver): not measured by a node;
         # 0, as ``nvidia-smi`` here says N/A, rather than a ModuleNotFoundError in a logging line
@@ -273,6 +298,17 @@ def _cuda_functions() -> dict:
         **{name: _unsupported(f"torch.cuda.{name} (a raw device pointer)", "allocate with torch.empty(..., device='cuda')")
            for name in ("caching_allocator_alloc", "caching_allocator_delete")},
     }
+
+
+def _synchronize(device=None) -> None:
+    """``torch.cuda.synchronize``: waits for every queued op; a device that is not a GPU is
+    refused as CUDA refuses it."""
+    if device is not None and not isinstance(device, int):
+        kind = torch.device(device).type
+        if kind not in ("cuda", DEVICE_TYPE):
+            raise ValueError(f"Expected a cuda device, but got: {torch.device(device)}")
+    _torch_module.check_device_id(device)
+    _device.runtime().synchronize()
 
 
 def _utilization(device=None) -> int:
@@ -321,11 +357,12 @@ def _patch_memory_history() -> None:
 def _set_memory_fraction(fraction: float, device=None) -> None:
     """A cap on this process's share of the device: the session's budget, checked at the user's
     line as an allocation past it is (``Runtime.reserve``)."""
+    if not isinstance(fraction, float):
+        raise TypeError("Invalid type for fraction argument, must be `float`")
     if not 0 <= fraction <= 1:
         raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
-    rt = _device.runtime()
-    cap = int(fraction * int(_remote_info().get("total_memory", 0)))
-    rt.memory_budget = cap if rt.memory_budget is None else min(rt.memory_budget, cap)
+    _torch_module.check_device_id(device)
+    _device.runtime().cap_memory(int(fraction * int(_remote_info().get("total_memory", 0))))
 
 
 # the legacy typed-tensor classes, ``torch.cuda.FloatTensor(2, 3)`` and friends (older scripts)
@@ -376,7 +413,7 @@ class _LegacyTypeMeta(type):
             return args[0].to(device=GPUWIRE, dtype=dtype)
         if len(args) == 1 and not isinstance(args[0], int) and not isinstance(args[0], torch.Size):
             return torch.tensor(args[0], dtype=dtype, device=GPUWIRE)  # data: a list, a tuple, a number array
-        return torch.empty(*args, dtype=dtype, device=GPUWIRE)
+        return torch.empty(*args if args else (0,), dtype=dtype, device=GPUWIRE)  # (``FloatTensor()``: empty)
 
     def __repr__(cls) -> str:
         return f"<class 'torch.cuda.{cls.__name__}'>"
@@ -868,9 +905,15 @@ def enable() -> None:
     _patch_default_tensor_type()
     _patch_nvtx()
     torch.cuda.nccl.version = lambda: NCCL_VERSION
-    for name in ("_create_jit_fn", "_create_multi_output_jit_fn"):  # (they compile CUDA C++ here)
-        setattr(torch.cuda.jiterator, name, _unsupported(
-            f"torch.cuda.jiterator.{name}", "write the kernel with PyTorch ops, which run on the remote GPU"))
+    # the C functions torch.cuda's Python and PyTorch's test harness call directly (every CUDA
+    # test of a TestCase with ``_do_cuda_non_default_stream`` runs on a stream of its own)
+    for name, value in (("_cuda_setStream", _torch_module.set_stream_by_id),
+                        ("_cuda_setDevice", lambda index: torch.cuda.set_device(index)),
+                        ("_cuda_getDevice", lambda: torch.cuda.current_device())):
+        if not hasattr(torch._C, name):
+            setattr(torch._C, name, value)
+    for name in ("_create_jit_fn", "_create_multi_output_jit_fn"):
+        setattr(torch.cuda.jiterator, name, _jiterator_refused_when_called(name))
     _patch_autocast()
     _patch_serialization()
     _patch_default_device()

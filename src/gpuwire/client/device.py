@@ -504,9 +504,12 @@ def _check_written_on_device(op_name: str, slots, args, kwargs) -> None:
         value = _get_arg(args, kwargs, index, name, kwarg_only)
         for t in (value if isinstance(value, (list, tuple)) else (value,)):
             if isinstance(t, torch.Tensor) and not on_device(t):
+                # (``host @ device``: PyTorch's composite made a host ``out`` for the host operand;
+                # CUDA names that operand, and so does this)
+                wire.refuse_host_tensors(op_name, args, kwargs)
                 raise RuntimeError(f"Expected all tensors to be on the same device, but found at least two "
-                                   f"devices, {DEVICE_TYPE}:0 and {t.device}! (argument '{name}' of {op_name}"
-                                   f" is written by the op and must be a {DEVICE_TYPE} tensor)")
+                                   f"devices, {wire.shown_device()} and {t.device}! (argument '{name}' of {op_name}"
+                                   f" is written by the op and must be on the device)")
 
 
 # out= kernels whose TensorIterator does not check memory overlap: writing an element twice
@@ -2650,6 +2653,9 @@ def register() -> None:
     _aten_library.impl("_nested_tensor_from_mask", _scripted_encoder_nested_batch, "PrivateUse1")
     _aten_library.impl("embedding_sparse_backward", _dense_embedding_gradient, "PrivateUse1")
     _aten_library.impl("_fused_moving_avg_obs_fq_helper", _observer_state_sized_per_channel, "PrivateUse1")
+    for overload in ("default", "msg"):
+        _aten_library.impl("_assert_async" if overload == "default" else f"_assert_async.{overload}", functools.partial(
+            _assert_async_sized, getattr(aten._assert_async, overload)), "PrivateUse1")
     with warnings.catch_warnings():  # (ATen's own entry there is a fallthrough: "Overriding a ... kernel")
         warnings.simplefilter("ignore")
         _aten_library.impl("dot", _dot_of_conjugates, "Conjugate")
@@ -2911,6 +2917,15 @@ def _observer_state_sized_per_channel(self, observer_on, fake_quant_on, running_
     return _fallback(aten._fused_moving_avg_obs_fq_helper.default, self, observer_on, fake_quant_on, running_min,
                      running_max, scale, zero_point, averaging_const, quant_min, quant_max, ch_axis,
                      per_row_fake_quant, symmetric_quant)
+
+
+def _assert_async_sized(op, condition, *message):
+    """``torch._assert_async``: as CUDA's, its tensor's size is checked at the call and its value
+    at the next sync point (the node checks it: ``ops._assert_nonzero``)."""
+    if condition.numel() != 1:
+        raise RuntimeError("Boolean value of Tensor with no values is ambiguous" if condition.numel() == 0
+                           else "Boolean value of Tensor with more than one value is ambiguous")
+    return _fallback(op, condition, *message)
 
 
 # the ops that make a quantized tensor from a float one (or from nothing)

@@ -220,7 +220,9 @@ class Runtime:
         self._live_bytes: dict[int, int] = {}
         self.bytes_in_use = 0
         self._device_capacity: int | None = None  # the device's whole memory (Welcome), checked in ``reserve``
-        self.memory_budget: int | None = None
+        self.memory_budget: int | None = None  # the least of the two below (read on every allocation)
+        self._granted_budget: int | None = None  # the node's or the pool's limit for this session (Welcome)
+        self._memory_cap: int | None = None  # the program's own (``set_per_process_memory_fraction``)
         self._allocs_since_scan = 0
         self._dead: BaseException | None = None
         self._torn = False  # an interrupt cut a message: reconnect before the next (``_retie``)
@@ -274,7 +276,8 @@ class Runtime:
         total = self.device_info.get("total_memory")
         self._device_capacity = total if isinstance(total, int) and total > 0 else None
         budget = welcome.limits.get("memory_budget")
-        self.memory_budget = budget if isinstance(budget, int) and budget > 0 else None
+        self._granted_budget = budget if isinstance(budget, int) and budget > 0 else None
+        self._apply_memory_limits()
         self.session_id = welcome.session_id
         self.resume_key = welcome.resume.get("key")
 
@@ -711,6 +714,10 @@ class Runtime:
 
     def query(self, what: str):
         with self.lock:
+            if what in ("memory", "reset_peak"):
+                # (the frees of tensors the program dropped go first: ``memory_allocated()`` after
+                # ``del x`` must not count x, as a local allocator's would not)
+                self._collect_garbage()
             return self.request(Query(seq=self.next_seq(), what=what)).value
 
     def seed(self, seed: int) -> None:
@@ -724,6 +731,16 @@ class Runtime:
             self.enqueue(self.conn.send(SetRngState(seq=self.next_seq(), payload=bytes(state))))
 
     # ------------------------------------------------------------ memory
+
+    def cap_memory(self, nbytes: int | None) -> None:
+        """The program's own cap on this session's memory (``set_per_process_memory_fraction``);
+        a later call replaces it, raising it too, but never past what the node or the pool granted."""
+        self._memory_cap = nbytes
+        self._apply_memory_limits()
+
+    def _apply_memory_limits(self) -> None:
+        limits = [limit for limit in (self._granted_budget, self._memory_cap) if limit is not None]
+        self.memory_budget = min(limits) if limits else None
 
     def reserve(self, nbytes: int) -> int:
         """A fresh virtual address (storage id) for ``nbytes``; never reused in this session.

@@ -12,7 +12,9 @@ import ctypes
 import os
 import sys
 import time
+import threading
 import types
+import weakref
 
 import torch
 
@@ -368,17 +370,32 @@ class Event:
 
 
 class Stream:
-    """``torch.cuda.Stream``: the node runs a session's ops in order, so every stream is the
-    same stream; waiting and synchronizing behave accordingly."""
+    """``torch.cuda.Stream``: the node runs a session's ops in order, so every stream's work is
+    ordered with every other's and waiting and synchronizing behave accordingly. Streams are
+    still distinct objects, as programs and PyTorch's own test harness use them: each has its
+    own id (the default stream's is 0), compares and hashes by it, and ``with stream:`` /
+    ``torch.cuda.stream(s)`` make it the thread's current stream."""
 
-    def __init__(self, device=None, priority: int = 0, **_):
+    _next_id = 1
+
+    def __init__(self, device=None, priority: int = 0, *, stream_id: int | None = None, **_):
         self.priority = priority
-        self.cuda_stream = 0
+        if stream_id is None:
+            stream_id, Stream._next_id = Stream._next_id, Stream._next_id + 1
+        self.stream_id = stream_id
+        self.cuda_stream = stream_id  # (the handle CUDA gives: 0 for the default stream)
+        self.device_index = 0
+        _STREAMS[stream_id] = self
 
     @property
     def device(self) -> torch.device:
         from . import cuda_compat  # (imports this module)
         return torch.device("cuda" if cuda_compat.enabled() else "gpuwire", 0)
+
+    @property
+    def device_type(self) -> int:  # (c10::DeviceType, as torch.Stream gives it)
+        from . import cuda_compat
+        return 1 if cuda_compat.enabled() else 20
 
     def wait_stream(self, stream):
         pass
@@ -398,44 +415,72 @@ class Stream:
         return True
 
     def __enter__(self):
+        self._outer = current_stream()
+        set_stream(self)
         return self
 
     def __exit__(self, *exc):
+        set_stream(self._outer)
         return False
 
     def __eq__(self, other):
-        return isinstance(other, Stream)
+        return isinstance(other, Stream) and other.stream_id == self.stream_id
 
     def __hash__(self):
-        return 0
+        return hash(("gpuwire stream", self.stream_id))
+
+    def __repr__(self) -> str:
+        from . import cuda_compat
+        kind = "torch.cuda.Stream" if cuda_compat.enabled() else "torch.gpuwire.Stream"
+        return f"<{kind} device={self.device} cuda_stream={self.cuda_stream:#x}>"
 
 
-_DEFAULT_STREAM = None
+_STREAMS: "weakref.WeakValueDictionary[int, Stream]" = weakref.WeakValueDictionary()
+_DEFAULT_STREAM: Stream | None = None
+_current_streams = threading.local()  # (the current stream is per thread, as CUDA's is)
 
 
-def current_stream(device=None):
+def default_stream(device=None) -> Stream:
     global _DEFAULT_STREAM
     if _DEFAULT_STREAM is None:
-        _DEFAULT_STREAM = Stream()
+        _DEFAULT_STREAM = Stream(stream_id=0)
     return _DEFAULT_STREAM
 
 
-default_stream = current_stream
+def current_stream(device=None) -> Stream:
+    return getattr(_current_streams, "stream", None) or default_stream()
 
 
 @contextlib.contextmanager
 def stream(stream=None):
-    yield stream
+    if stream is None:
+        yield stream
+        return
+    outer = current_stream()
+    set_stream(stream)
+    try:
+        yield stream
+    finally:
+        set_stream(outer)
 
 
 def set_stream(stream) -> None:
-    pass
+    if stream is not None:
+        _current_streams.stream = stream
+
+
+def set_stream_by_id(stream_id: int, device_index: int = 0, device_type: int = 0) -> None:
+    """``torch._C._cuda_setStream`` (PyTorch's test harness runs every CUDA test on a stream of
+    its own so)."""
+    found = _STREAMS.get(stream_id)
+    set_stream(found if found is not None else default_stream() if stream_id == 0 else Stream(stream_id=stream_id))
 
 
 module = types.ModuleType("torch.gpuwire", __doc__)
 for _name, _value in list(globals().items()):
     if callable(_value) and not _name.startswith("__") and _name not in ("Hooks", "Guard", "types", "torch",
-                                                                         "contextlib", "time"):
+                                                                         "contextlib", "time", "threading", "weakref",
+                                                                         "set_stream_by_id"):
         setattr(module, _name, _value)
 
 

@@ -256,6 +256,12 @@ HOST_TENSOR_OPS = frozenset({
 HOST_TENSOR_ARGUMENTS = frozenset({"batch_sizes", "lengths", "input_lengths", "target_lengths", "scalars"})
 
 
+def shown_device() -> str:
+    """The device as the program knows it, for messages: ``cuda:0`` under CUDA compatibility."""
+    from . import cuda_compat
+    return "cuda:0" if cuda_compat.enabled() else f"{DEVICE_TYPE}:0"
+
+
 def refuse_host_tensors(name: str, args, kwargs) -> None:
     """Raise as CUDA does when op ``name`` is given a host tensor with dimensions where CUDA's
     kernel refuses one; return when CUDA takes it (``HOST_TENSOR_OPS``/``_ARGUMENTS``, gpuwire's
@@ -275,8 +281,7 @@ def refuse_host_tensors(name: str, args, kwargs) -> None:
         value = kwargs.get(argument.name) if argument.kwarg_only or index >= len(args) else args[index]
         for t in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(t, torch.Tensor) and t.is_cpu and t.dim():
-                from . import cuda_compat
-                device = "cuda:0" if cuda_compat.enabled() else f"{DEVICE_TYPE}:0"
+                device = shown_device()
                 raise RuntimeError(
                     f"Expected all tensors to be on the same device, but got {argument.name} is on cpu, different "
                     f"from other tensors on {device} (when checking argument in method {name}); move it to the "

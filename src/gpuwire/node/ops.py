@@ -697,6 +697,16 @@ def run_upcast(fn, args, kwargs):
     return back(result)
 
 
+def _assert_nonzero(condition, assert_msg=None):
+    """``torch._assert_async`` (``torch._check`` in exported programs, jagged nested tensors):
+    on a CUDA device a failed one is a device-side assert, which ends every session's use of
+    the GPU, so the node checks the value itself (a sync of this session's stream) and raises
+    the CPU kernel's error, which the client gets at its next sync point as a GPU's would."""
+    if not torch.is_nonzero(condition):  # (raises "Boolean value of Tensor with no values is ambiguous" ...)
+        raise RuntimeError(assert_msg or ("Assertion is failed" if assert_msg is not None
+                                          else "Expected Tensor with single nonzero value, but got zero"))
+
+
 SESSION_OPS = frozenset({"gpuwire::sdpa_keep", "gpuwire::sdpa_backward_kept", "gpuwire::precision"})
 GPUWIRE_OPS = {
     "gpuwire::sdpa": _sdpa,
@@ -705,6 +715,8 @@ GPUWIRE_OPS = {
     "gpuwire::sdpa_backward_kept": _sdpa_backward_kept,
     "gpuwire::dropout": _dropout,
     "gpuwire::precision": _precision,
+    "aten::_assert_async": _assert_nonzero,
+    "aten::_assert_async.msg": _assert_nonzero,
     **COMPOSITE_OPS,
 }
 
