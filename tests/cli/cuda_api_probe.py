@@ -88,6 +88,19 @@ def device_mismatch_messages():
 check("device mismatch messages name cuda:0", device_mismatch_messages)
 
 
+def warnings_at_the_programs_line():
+    """A warning from PyTorch's C++ during a torch call was shown at gpuwire's
+    ``__torch_function__`` line (cuda_compat.py), as if gpuwire raised it."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        float(torch.ones(1, device="cuda", requires_grad=True))
+    return [w.filename for w in caught if "requires_grad=True to a scalar" in str(w.message)] == [__file__]
+
+
+check("C++ warnings shown at the program's line", warnings_at_the_programs_line)
+
+
 def events():
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

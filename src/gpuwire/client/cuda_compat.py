@@ -28,8 +28,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import sys
 import threading
 import types
+import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -218,6 +220,29 @@ def _unsupported(what: str, instead: str):
     def fail(*args, **kwargs):
         raise NotSupportedByGpuwire(f"{what} is not supported by gpuwire (the GPU is across the network): {instead}")
     return fail
+
+
+def _patch_warning_locations() -> None:
+    """A warning PyTorch's C++ raises during a torch call (``float(x)`` of a tensor that requires
+    grad, a tracer's warnings ...) names the innermost Python frame as where it happened: under
+    ``gpuwire run`` that is this module's ``__torch_function__``, so the program was shown
+    "cuda_compat.py:NNN: UserWarning" and gpuwire's source line. It is shown (or recorded) at
+    the program's line, as without gpuwire. (Deduplication and ``module=`` filters were already
+    decided by the time a warning is shown: those still see this module.)"""
+    show = warnings._showwarnmsg
+    here = __file__
+
+    @functools.wraps(show)
+    def show_at_the_programs_line(message):
+        if message.filename == here:
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code.co_filename == here:
+                frame = frame.f_back
+            if frame is not None:
+                message.filename, message.lineno, message.line = frame.f_code.co_filename, frame.f_lineno, None
+        return show(message)
+
+    warnings._showwarnmsg = show_at_the_programs_line
 
 
 def _jiterator_refused_when_called(name: str):
@@ -925,6 +950,7 @@ def enable() -> None:
     _patch_memory_history()
     _patch_cudnn()
     _patch_profiler()
+    _patch_warning_locations()
     _mode = CudaToGpuwire()
     _mode.__enter__()  # stays on this thread's mode stack for the life of the program
     _enabled = True
