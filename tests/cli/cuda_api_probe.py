@@ -101,6 +101,25 @@ def warnings_at_the_programs_line():
 check("C++ warnings shown at the program's line", warnings_at_the_programs_line)
 
 
+def memory_queries_of_torch_2_13():
+    """Memory functions newer scripts call; each raised AttributeError for a missing torch._C
+    function before session 40."""
+    torch.cuda.set_per_process_memory_fraction(0.25)
+    fraction = torch.cuda.get_per_process_memory_fraction()
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    x = torch.empty(1000, device="cuda")
+    nested = torch.cuda.memory_stats_as_nested_dict()
+    used = torch.cuda.device_memory_used()
+    torch.cuda.reset_peak_host_memory_stats()
+    return [fraction == 0.25, torch.cuda.get_per_process_memory_fraction() == 1.0,
+            nested["allocated_bytes"]["all"]["current"] == torch.cuda.memory_allocated() >= 4000,
+            used >= 4000, isinstance(torch.cuda.host_memory_stats(), dict), x.numel() == 1000]
+
+
+check("get_per_process_memory_fraction, memory_stats_as_nested_dict, device_memory_used",
+      memory_queries_of_torch_2_13)
+
+
 def events():
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

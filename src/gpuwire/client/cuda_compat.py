@@ -315,6 +315,16 @@ def _cuda_functions() -> dict:
         "graph": _CUDAGraph,
         "make_graphed_callables": _unsupported("torch.cuda.make_graphed_callables", "call the modules directly"),
         "set_per_process_memory_fraction": _set_memory_fraction,
+        "get_per_process_memory_fraction": _get_memory_fraction,
+        "memory_stats_as_nested_dict": lambda device=None: tm._nested_memory_stats(),
+        # NVML's device-wide figure: what this session holds on the node's device
+        "device_memory_used": lambda device=None: tm.memory_allocated(device),
+        # the local pinned-memory allocator's: nothing is pinned here (``pin_memory()`` keeps ordinary
+        # memory, which is what a socket reads from)
+        "host_memory_stats": lambda: {},
+        "reset_peak_host_memory_stats": lambda: None,
+        "reset_accumulated_host_memory_stats": lambda: None,
+        "caching_allocator_enable": lambda value=True: None,
         # debugging aids some scripts turn on: the sync debug mode is kept (ops are not checked
         # against it), a memory snapshot is empty (the node's allocator is not local)
         "set_sync_debug_mode": _set_sync_debug_mode,
@@ -322,6 +332,10 @@ def _cuda_functions() -> dict:
         "memory_snapshot": lambda *args, **kwargs: [],
         **{name: _unsupported(f"torch.cuda.{name} (a raw device pointer)", "allocate with torch.empty(..., device='cuda')")
            for name in ("caching_allocator_alloc", "caching_allocator_delete")},
+        **{name: _unsupported(f"torch.cuda.{name} (a handle of the local CUDA library)",
+                              "call PyTorch's ops (torch.matmul, torch.linalg), which run on the remote GPU")
+           for name in ("current_blas_handle", "current_solver_handle")},
+        "graph_pool_handle": _unsupported("torch.cuda.graph_pool_handle (CUDA graphs)", "run the model eagerly"),
     }
 
 
@@ -388,6 +402,13 @@ def _set_memory_fraction(fraction: float, device=None) -> None:
         raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
     _torch_module.check_device_id(device)
     _device.runtime().cap_memory(int(fraction * int(_remote_info().get("total_memory", 0))))
+
+
+def _get_memory_fraction(device=None) -> float:
+    """The program's cap from ``set_per_process_memory_fraction`` (1.0 without one)."""
+    _torch_module.check_device_id(device)
+    cap, total = _device.runtime()._memory_cap, int(_remote_info().get("total_memory", 0))
+    return cap / total if cap is not None and total else 1.0
 
 
 # the legacy typed-tensor classes, ``torch.cuda.FloatTensor(2, 3)`` and friends (older scripts)
