@@ -30,10 +30,11 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     folder = str(tmp_path_factory.mktemp("failover"))
-    # dead after 3 s without a heartbeat: quick to notice a killed node, and not so quick that a
+    # dead after 6 s without a heartbeat: quick to notice a killed node, and not so quick that a
     # node starved of CPU by a loaded CI machine is buried while alive (a spurious failover made
-    # the run resume elsewhere before the kill, once, under a load average of 4-5)
-    pool = PoolProcess(folder, "--heartbeat-interval", "0.5", "--heartbeat-misses", "6")
+    # the run resume elsewhere before the kill under a load average of 4-5: once at 3 s in
+    # session 2x, again in session 40)
+    pool = PoolProcess(folder, "--heartbeat-interval", "0.5", "--heartbeat-misses", "12")
     admin = pool.admin()
     node_key = admin.create_key(role="node")["key"]
     admin.create_tenant("team")
