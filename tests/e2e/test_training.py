@@ -9,6 +9,17 @@ import gpuwire
 from .models import LSTMLanguageModel, SmallResNet, mlp, tiny_gpt2, tiny_llama, train_classifier
 
 
+def optimizer_step(opt, loss) -> float:
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def host_state(model) -> dict:
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
 def assert_states_equal(a: dict, b: dict):
     assert a.keys() == b.keys()
     different = [k for k in a if not torch.equal(a[k], b[k])]
@@ -248,11 +259,8 @@ def test_variable_length_batches_train_bit_for_bit(device):
             mask = (torch.arange(length) < torch.randint(length // 2, length + 1, (4, 1), generator=data)).long()
             labels = torch.randint(0, 2, (4,), generator=data)
             loss = model(input_ids=ids.to(dev), attention_mask=mask.to(dev), labels=labels.to(dev)).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        results.append((losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}))
+            losses.append(optimizer_step(opt, loss))
+        results.append((losses, host_state(model)))
     assert results[0][0] == results[1][0]
     for name, value in results[0][1].items():
         assert torch.equal(value, results[1][1][name]), name
@@ -324,12 +332,8 @@ def test_quantization_aware_training_bit_for_bit(device):
         opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)
         losses = []
         for x in batches:
-            loss = model(x.to(dev)).square().mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        results.append((losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}))
+            losses.append(optimizer_step(opt, model(x.to(dev)).square().mean()))
+        results.append((losses, host_state(model)))
     assert results[0][0] == results[1][0]
     assert results[0][1]["conv.weight_fake_quant.scale"].shape == (4,)
     assert_states_equal(results[0][1], results[1][1])
