@@ -386,7 +386,7 @@ def _patch_tensor_printing() -> None:
         for dim, size in enumerate(self.shape):
             if size > 2 * edge:
                 kept = [*range(edge), edge - 1, *range(size - edge, size)]  # (``edge - 1``: the placeholder)
-                shown = shown.index_select(dim, torch.tensor(kept, device=self.device))
+                shown = shown.index_select(dim, torch.tensor(kept, device=DEVICE_TYPE))
         shown = shown.cpu()
         with _PRINT_LOCK:
             threshold = options.threshold
