@@ -120,6 +120,25 @@ check("get_per_process_memory_fraction, memory_stats_as_nested_dict, device_memo
       memory_queries_of_torch_2_13)
 
 
+def reference_ops_and_nested_factories():
+    """PyTorch's Python-level op layers on "cuda" tensors (found by PyTorch's test_ops.py run
+    under gpuwire run: 868 of its CUDA tests failed on these): a prim's Python kernel read
+    ``a.device`` as "cuda" with the mode off and asked PyTorch's CUDA backend for its result;
+    ``torch._refs`` ops refused the patched ``Tensor.device`` getter; ``torch.nested``'s
+    factories handed "cuda" straight to C++."""
+    import torch._refs
+    from torch._prims.context import TorchRefsMode
+    x = torch.rand(3, device="cuda")
+    with TorchRefsMode():
+        masked = torch.masked_fill(x, x > 0.5, 0.0)
+    return [str(torch.ops.prims.sqrt(x).device), str(torch._refs.add(x, x).device), str(masked.device),
+            str(torch.nested.nested_tensor([], device="cuda").device),
+            torch.equal(torch.ops.prims.sqrt(x).cpu(), x.cpu().sqrt())]
+
+
+check("torch._refs / prims / torch.nested on cuda tensors", reference_ops_and_nested_factories)
+
+
 def events():
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

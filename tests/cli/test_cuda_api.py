@@ -37,6 +37,7 @@ WORKS = ["is_available", "device_count", "get_device_name", "get_device_properti
          "synchronize('cpu') refused", "device mismatch messages name cuda:0",
          "streams are distinct; _cuda_setStream", "C++ warnings shown at the program's line",
          "get_per_process_memory_fraction, memory_stats_as_nested_dict, device_memory_used",
+         "torch._refs / prims / torch.nested on cuda tensors",
          "is_current_stream_capturing", "can_device_access_peer / get_allocator_backend",
          "pinned factories, safetensors load_file/safe_open(device='cuda')",
          "extension op with a CPU kernel on cuda tensors", "numpy() of a cuda tensor refused as CUDA does"]
@@ -69,6 +70,10 @@ def test_device_properties_nvml_readings_and_nccl_version_answer_as_on_cuda(resu
     assert results["torch.cuda.nccl.version"] == {"ok": True, "value": [2, 27, 5]}
     for refused in ("jiterator refused", "caching_allocator_alloc refused"):
         assert not results[refused]["ok"] and "not supported by gpuwire" in results[refused]["error"], results[refused]
+
+
+def test_reference_ops_and_nested_factories_make_cuda_tensors(results):
+    assert results["torch._refs / prims / torch.nested on cuda tensors"]["value"] == ["cuda:0"] * 4 + [True]
 
 
 def test_cuda_graphs_fail_with_a_clear_message(results):

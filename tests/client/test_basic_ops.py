@@ -601,6 +601,17 @@ def test_data_parallel_runs_a_host_model_on_the_device(device):
     assert torch.equal(model[0].weight.grad.cpu(), reference[0].weight.grad)
 
 
+def test_free_memory_is_never_more_than_a_cpu_node_host_has(device):
+    """``mem_get_info`` said total RAM minus this session's bytes: PyTorch's large-tensor tests
+    (``_has_sufficient_memory``) and batch-size finders trusted it, asked the CPU node for more
+    than the host had, and the out-of-memory killer took the node."""
+    free, total = torch.gpuwire.mem_get_info()
+    with open("/proc/meminfo") as meminfo:
+        available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    assert 0 < free <= total
+    assert free <= available * 1.05 + (64 << 20)  # (the host's use moves between the two readings)
+
+
 def test_memory_allocated_drops_as_soon_as_a_tensor_is_dropped(device):
     """The frees of dropped tensors go out with the memory query: ``memory_allocated()`` right
     after ``del x`` counted x until the next synchronize (or 256 allocations later)."""

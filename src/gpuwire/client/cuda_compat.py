@@ -77,7 +77,9 @@ def _session_index(cuda_index) -> int:
 _PYTHON_FUNCTION = types.FunctionType
 # higher-order ops (``flex_attention``'s eager path, ``torch.cond``, ``checkpoint``'s HOP) run
 # Python implementations the same way, e.g. ``torch.arange(..., device=scores.device)``
-_HIGHER_ORDER_OP = torch._ops.HigherOrderOperator
+# and so do ops called as ``torch.ops`` objects (prims, refs and decompositions: a prim's Python
+# kernel makes its result with ``torch.empty_permuted(..., device=a.device)``)
+_HIGHER_ORDER_OP = (torch._ops.HigherOrderOperator, torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 # Python-level torch functions that run the program's code (hooks, custom backward) or show
 # the device to the user: inside them a gpuwire tensor keeps saying "cuda"
 _USER_FACING = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad, torch.Tensor.__repr__,
@@ -220,6 +222,22 @@ def _unsupported(what: str, instead: str):
     def fail(*args, **kwargs):
         raise NotSupportedByGpuwire(f"{what} is not supported by gpuwire (the GPU is across the network): {instead}")
     return fail
+
+
+def _patch_nested_factories() -> None:
+    """``torch.nested.nested_tensor(..., device="cuda")``: a Python function that hands its
+    device straight to C++ without passing through the mode, so "cuda" reached PyTorch's CUDA
+    backend ("Could not run ... with arguments from the 'CUDA' backend")."""
+    for name in ("nested_tensor", "as_nested_tensor"):
+        original = getattr(torch.nested, name)
+
+        @functools.wraps(original)
+        def on_the_mapped_device(*args, __original=original, **kwargs):
+            if "device" in kwargs:
+                kwargs["device"] = _map_device(kwargs["device"])
+            return __original(*args, **kwargs)
+
+        setattr(torch.nested, name, on_the_mapped_device)
 
 
 def _patch_warning_locations() -> None:
@@ -605,6 +623,10 @@ def _patch_tensor_device() -> None:
 
     torch.Tensor.device = property(device, doc=torch._C.TensorBase.device.__doc__)
     torch.Tensor.is_cuda = property(is_cuda, doc=torch._C.TensorBase.is_cuda.__doc__)
+    # (PyTorch's reference-op mode lets the C descriptors' getters through by name: "no _refs
+    # support for torch.Tensor.device.__get__" for these, in every ``torch._refs`` op)
+    from torch._prims_common import torch_function_passthrough
+    torch_function_passthrough.update({torch.Tensor.device.__get__, torch.Tensor.is_cuda.__get__})
 
     # ``x.record_stream(torch.cuda.current_stream())`` (prefetchers, FSDP-style code) tells the
     # CUDA caching allocator not to reuse x's memory before that stream's work: the node runs a
@@ -972,6 +994,7 @@ def enable() -> None:
     _patch_cudnn()
     _patch_profiler()
     _patch_warning_locations()
+    _patch_nested_factories()
     _mode = CudaToGpuwire()
     _mode.__enter__()  # stays on this thread's mode stack for the life of the program
     _enabled = True

@@ -274,9 +274,16 @@ def reset_accumulated_memory_stats(device=None) -> None:
 
 
 def mem_get_info(device=None) -> tuple[int, int]:
-    """(free, total) bytes of the device, as this session sees it."""
+    """(free, total) bytes of the device, as this session sees it: what it does not hold, and
+    no more than the device can still give (other tenants' and processes' use: on a CPU node
+    the host's available memory, which PyTorch's tests and batch-size finders trust before
+    allocating tens of GB)."""
     total = int(_device.runtime().device_info.get("total_memory", 0))
-    return max(total - _memory("bytes_in_use"), 0), total
+    rt = _device.current_runtime()
+    memory = rt.query("memory") if rt is not None else {}
+    free = max(total - int(memory.get("bytes_in_use", 0)), 0)
+    device_free = memory.get("device_free")
+    return (min(free, int(device_free)) if isinstance(device_free, int) else free), total
 
 
 def _nested_memory_stats() -> dict:

@@ -67,9 +67,27 @@ class Backend:
             return int(torch.cuda.memory_allocated(self.device))
         return 0
 
+    def free_memory(self) -> int | None:
+        """Bytes the device can still give (every process's use counted): the GPU's free memory,
+        or for the CPU backend the host's available memory; None where it cannot be read."""
+        if self.kind == "cuda":
+            return int(torch.cuda.mem_get_info(self.device)[0])
+        return _available_host_memory()
+
     def synchronize(self) -> None:
         if self.kind == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _available_host_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _physical_memory() -> int:

@@ -1082,7 +1082,8 @@ class Session:
             return self.backend.describe()
         if what == "memory":
             return {"bytes_in_use": self.bytes_in_use, "peak_bytes": self.peak_bytes,
-                    "storages": len(self.storages), "device_bytes_in_use": self.backend.memory_in_use()}
+                    "storages": len(self.storages), "device_bytes_in_use": self.backend.memory_in_use(),
+                    "device_free": self.backend.free_memory()}
         if what == "rng_state":
             with self.rng.lock:
                 self.rng.acquire(self)
