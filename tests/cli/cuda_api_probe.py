@@ -139,6 +139,21 @@ def reference_ops_and_nested_factories():
 check("torch._refs / prims / torch.nested on cuda tensors", reference_ops_and_nested_factories)
 
 
+def export_of_a_cuda_model():
+    """``torch.export`` traces with fake tensors: the fake of a "cuda" tensor landed on a real
+    ``cuda:0`` beside its factories' gpuwire ones ("found at least two devices")."""
+    class AddRange(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 + torch.arange(3.0, device=x.device)
+
+    x = torch.randn(3, device="cuda")
+    exported = torch.export.export(AddRange(), (x,))
+    return torch.equal(exported.module()(x).cpu(), (x * 2 + torch.arange(3.0, device="cuda")).cpu())
+
+
+check("torch.export of a model on cuda tensors", export_of_a_cuda_model)
+
+
 def events():
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

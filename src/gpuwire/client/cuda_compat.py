@@ -224,6 +224,26 @@ def _unsupported(what: str, instead: str):
     return fail
 
 
+def _patch_fake_tensors() -> None:
+    """``torch.export`` / ``make_fx(tracing_mode="fake")`` of "cuda" tensors: the fake of a
+    gpuwire tensor was made on its ``device`` as the program reads it, a real ``cuda:0``, while
+    the fakes of its factories are on the gpuwire device ("found at least two devices"). Fakes
+    are made from the real device, as in PyTorch's other Python code (``_inside``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    original = FakeTensorMode.from_tensor
+
+    @functools.wraps(original)
+    def from_tensor(self, tensor, *args, **kwargs):
+        depth = getattr(_inside, "depth", 0)
+        _inside.depth = depth + 1
+        try:
+            return original(self, tensor, *args, **kwargs)
+        finally:
+            _inside.depth = depth
+
+    FakeTensorMode.from_tensor = from_tensor
+
+
 def _patch_nested_factories() -> None:
     """``torch.nested.nested_tensor(..., device="cuda")``: a Python function that hands its
     device straight to C++ without passing through the mode, so "cuda" reached PyTorch's CUDA
@@ -995,6 +1015,7 @@ def enable() -> None:
     _patch_profiler()
     _patch_warning_locations()
     _patch_nested_factories()
+    _patch_fake_tensors()
     _mode = CudaToGpuwire()
     _mode.__enter__()  # stays on this thread's mode stack for the life of the program
     _enabled = True
