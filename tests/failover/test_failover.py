@@ -35,11 +35,20 @@ def cluster(tmp_path_factory):
     # the run resume elsewhere before the kill under a load average of 4-5: once at 3 s in
     # session 2x, again in session 40)
     pool = PoolProcess(folder, "--heartbeat-interval", "0.5", "--heartbeat-misses", "12")
+    nodes: dict[str, NodeProcess] = {}
+    try:  # (a setup that fails half way, e.g. a node slow to come alive on a loaded machine, stops what it started)
+        yield from _cluster(folder, pool, nodes)
+    finally:
+        for node in nodes.values():
+            node.kill()
+        pool.kill()
+
+
+def _cluster(folder: str, pool, nodes: dict):
     admin = pool.admin()
     node_key = admin.create_key(role="node")["key"]
     admin.create_tenant("team")
     tenant_key = admin.create_key(tenant="team")["key"]
-    nodes: dict[str, NodeProcess] = {}
     starts: list[str] = []
 
     def start(node_id: str) -> NodeProcess:
@@ -62,11 +71,10 @@ def cluster(tmp_path_factory):
         pass
     c = Cluster()
     c.pool, c.admin, c.nodes, c.start, c.folder, c.tenant_key = pool, admin, nodes, start, folder, tenant_key
-    yield c
-    for node in nodes.values():
-        node.kill()
-    pool.kill()
-    admin.close()
+    try:
+        yield c
+    finally:
+        admin.close()
 
 
 def _ensure_all_alive(cluster) -> None:
