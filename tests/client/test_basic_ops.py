@@ -612,6 +612,21 @@ def test_free_memory_is_never_more_than_a_cpu_node_host_has(device):
     assert free <= available * 1.05 + (64 << 20)  # (the host's use moves between the two readings)
 
 
+def test_dropped_large_tensors_are_freed_without_waiting_for_a_sync(device):
+    """Dead storages were looked for every 256 allocations, whatever their size: a loop of a
+    few large tensors (PyTorch's masked-softmax test, 200 MB attention maps) kept up to 256 of
+    them dead on the node, and a CPU node ran the host out of memory. Each MiB now counts as an
+    allocation, so at most ~256 MiB of dropped tensors wait."""
+    from gpuwire.client.device import current_runtime
+    gpuwire.synchronize()
+    rt = current_runtime()
+    before = rt.bytes_in_use
+    for _ in range(24):
+        x = torch.empty(16 << 20, device=device)  # 64 MiB, dropped at once
+        del x
+    assert rt.bytes_in_use - before <= (256 + 64) << 20, rt.bytes_in_use - before
+
+
 def test_memory_allocated_drops_as_soon_as_a_tensor_is_dropped(device):
     """The frees of dropped tensors go out with the memory query: ``memory_allocated()`` right
     after ``del x`` counted x until the next synchronize (or 256 allocations later)."""

@@ -125,7 +125,12 @@ CHUNK_BYTES = 16 << 20  # bulk transfers travel in frames of at most this many b
 COPY_PAYLOAD_BELOW = 256 << 10  # smaller uploads are copied into the queue; larger ones sent at once
 FIRST_ADDRESS = 1 << 32
 ALIGN = 512
+# dead storages are found and freed once 256 allocations or 256 MiB were made since the last
+# look (each MiB counts as an allocation): by count alone, a loop of few large tensors (a
+# batch of 200 MB attention maps) left up to 256 of them dead on the node, which ran a CPU
+# node out of the host's memory under PyTorch's test_nn.py
 SCAN_EVERY = 256
+SCAN_UNIT_SHIFT = 20
 # storage ids below this were given out by a parent process before it forked this one
 # (``device._forget_runtime_in_child``); the parent's session owns them
 INHERITED_BELOW = [0]
@@ -622,7 +627,7 @@ class Runtime:
             self._live[address] = StorageRef(ref)
             self._live_bytes[address] = nbytes
             self.bytes_in_use += nbytes
-            self._allocs_since_scan += 1
+            self._allocs_since_scan += 1 + (nbytes >> SCAN_UNIT_SHIFT)
             if len(queue) >= FLUSH_OPS or self._queue_bytes >= FLUSH_BYTES:
                 self._flush()
             elif now - self._queued_at >= self._flush_age:
@@ -651,7 +656,7 @@ class Runtime:
                 live[storage_id] = StorageRef(ref)
                 live_bytes[storage_id] = size
             self.bytes_in_use += total
-            self._allocs_since_scan += len(addresses)
+            self._allocs_since_scan += len(addresses) + (total >> SCAN_UNIT_SHIFT)
             if self._allocs_since_scan >= SCAN_EVERY:
                 self._collect_garbage()
             return tuple(addresses)
@@ -797,7 +802,7 @@ class Runtime:
         self._live[storage_id] = StorageRef(ref)
         self._live_bytes[storage_id] = nbytes
         self.bytes_in_use += nbytes
-        self._allocs_since_scan += 1
+        self._allocs_since_scan += 1 + (nbytes >> SCAN_UNIT_SHIFT)
         if self._allocs_since_scan >= SCAN_EVERY:
             self._collect_garbage()
 
