@@ -1409,3 +1409,19 @@ def test_attention_of_one_dimensional_inputs_raises_atens_error(device):
     query, key = torch.randn(4, device=device), torch.randn(1, 4, device=device)
     with pytest.raises(RuntimeError, match="at least 2 dimensional, but got query.dim: 1 key.dim: 2"):
         torch.nn.functional.scaled_dot_product_attention(query, key, key)
+
+
+def test_multi_margin_loss_of_a_scalar_target_is_a_scalar(device):
+    """``multi_margin_loss(x, target, reduction="none")`` with a 0-d target (test_nn's
+    ``multimarginloss_1d_input_0d_target_no_reduce``): the kernels give a 0-d loss, the meta
+    kernel ``[1]``, so the node refused the result ("the kernel returned an output of shape []
+    where ... predicted [1]") at the next sync point."""
+    x = torch.randn(10, dtype=torch.double, generator=torch.Generator().manual_seed(0))
+    # (a signature's first call runs with a reply, which gives the kernel's shape: the later ones
+    # take the meta kernel's)
+    for target, reduction in ((torch.tensor([3]), "none"), (torch.tensor(3), "none"), (torch.tensor(2), "none"),
+                              (torch.tensor(3), "sum")):
+        expected = torch.nn.functional.multi_margin_loss(x, target, reduction=reduction)
+        got = torch.nn.functional.multi_margin_loss(x.to(device), target.to(device), reduction=reduction)
+        torch.gpuwire.synchronize()
+        assert got.shape == expected.shape and torch.equal(got.cpu(), expected), (tuple(target.shape), reduction)

@@ -2416,7 +2416,19 @@ def _nansum_of_no_dims(args, kwargs, result):
     return torch.empty((1,) * args[0].dim() if keepdim else (), dtype=result.dtype, device=result.device)
 
 
-_KERNEL_FIXES_EVERYWHERE = {"aten::nansum": _nansum_of_no_dims}
+def _multi_margin_loss_of_a_scalar_target(args, kwargs, result):
+    """``multi_margin_loss(x, target, reduction="none")`` with a 0-d target: the CPU and CUDA
+    kernels give a 0-d loss (``reduction == None && target.dim() > 0`` sizes it by the batch,
+    else ``{}``), where the meta kernel gives ``[1]``."""
+    target = _get_arg(args, kwargs, 1, "target", False)
+    reduction = _get_arg(args, kwargs, 5, "reduction", False)  # (absent: mean)
+    if reduction != 0 or not isinstance(result, torch.Tensor) or not isinstance(target, torch.Tensor) or target.dim():
+        return result
+    return torch.empty((), dtype=result.dtype, device=result.device)
+
+
+_KERNEL_FIXES_EVERYWHERE = {"aten::nansum": _nansum_of_no_dims,
+                            "aten::multi_margin_loss": _multi_margin_loss_of_a_scalar_target}
 _CPU_KERNEL_FIXES.update(_KERNEL_FIXES_EVERYWHERE)
 
 _CUDA_KERNEL_FIXES = {
