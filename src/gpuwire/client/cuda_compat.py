@@ -996,8 +996,10 @@ def enable() -> None:
     # the C functions torch.cuda's Python and PyTorch's test harness call directly (every CUDA
     # test of a TestCase with ``_do_cuda_non_default_stream`` runs on a stream of its own)
     for name, value in (("_cuda_setStream", _torch_module.set_stream_by_id),
-                        ("_cuda_setDevice", lambda index: torch.cuda.set_device(index)),
-                        ("_cuda_getDevice", lambda: torch.cuda.current_device())):
+                        # (objects of their own: dynamo's trace rules refuse one function under two
+                        # names, torch._C's and torch.cuda's)
+                        ("_cuda_setDevice", lambda index: _torch_module.set_device(index)),
+                        ("_cuda_getDevice", lambda: _torch_module.current_device())):
         if not hasattr(torch._C, name):
             setattr(torch._C, name, value)
     for name in ("_create_jit_fn", "_create_multi_output_jit_fn"):

@@ -278,9 +278,9 @@ def mem_get_info(device=None) -> tuple[int, int]:
     no more than the device can still give (other tenants' and processes' use: on a CPU node
     the host's available memory, which PyTorch's tests and batch-size finders trust before
     allocating tens of GB)."""
-    total = int(_device.runtime().device_info.get("total_memory", 0))
-    rt = _device.current_runtime()
-    memory = rt.query("memory") if rt is not None else {}
+    rt = _device.runtime()
+    total = int(rt.device_info.get("total_memory", 0))
+    memory = rt.query("memory")
     free = max(total - int(memory.get("bytes_in_use", 0)), 0)
     device_free = memory.get("device_free")
     return (min(free, int(device_free)) if isinstance(device_free, int) else free), total
