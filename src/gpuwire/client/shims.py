@@ -26,11 +26,17 @@ original behaviour for everything that is not the gpuwire device, and says why i
   form. Where a local run would take that path, the encoder runs on the dense batch with the
   padding mask instead and zeroes the padded positions before its final norm, as the nested
   path's ``to_padded_tensor(0.0)`` does.
+* safetensors' ``safe_open`` / ``load_file(..., device="gpuwire")``: its Rust parser knows a
+  fixed list of device names and said "device gpuwire is invalid"; a device index it passes
+  through to torch, which reads it as the current accelerator's, so a gpuwire device is given
+  to it as its index (patched when safetensors is imported: ``_after_import``).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.util
 import secrets
 import sys
 import threading
@@ -430,6 +436,56 @@ def _patch_data_parallel() -> None:
     DataParallel.forward = forward
 
 
+def _after_import(name: str, patch) -> None:
+    """Run ``patch(module)`` once module ``name`` is imported: now if it is, else right after
+    its import, which is where patches of third-party code must go without importing it
+    (and its cost) into every program that imports torch."""
+    module = sys.modules.get(name)
+    if module is not None:
+        patch(module)
+        return
+
+    class PatchAfterImport(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+                return spec
+            original_exec = spec.loader.exec_module
+
+            def exec_module(module):
+                original_exec(module)
+                patch(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, PatchAfterImport())
+
+
+def _patch_safetensors(safetensors: types.ModuleType) -> None:
+    rust_safe_open = getattr(safetensors, "safe_open", None)
+    if rust_safe_open is None or getattr(rust_safe_open, "_gpuwire_index_for_device", False):
+        return
+
+    def safe_open(filename, framework, device="cpu", **kwargs):
+        if isinstance(device, torch.device) or isinstance(device, str) and device.startswith(("gpuwire", "cuda")):
+            named = torch.device(device)
+            if _is_gpuwire(named):
+                device = named.index or 0
+        return rust_safe_open(filename, framework=framework, device=device, **kwargs)
+
+    safe_open._gpuwire_index_for_device = True
+    safe_open.__doc__ = rust_safe_open.__doc__
+    safetensors.safe_open = safe_open
+    for user in ("safetensors.torch",):
+        module = sys.modules.get(user)
+        if module is not None and getattr(module, "safe_open", None) is rust_safe_open:
+            module.safe_open = safe_open
+
+
 def install() -> None:
     global _installed
     if _installed:
@@ -440,6 +496,7 @@ def install() -> None:
     _patch_accelerator()
     _patch_data_parallel()
     _patch_tensor_printing()
+    _after_import("safetensors", _patch_safetensors)
     from . import distributed, sharing
     distributed.install()
     sharing.install()
