@@ -430,6 +430,32 @@ def test_one_call_resizing_two_outs_warns_as_locally(device):
         assert counts[1] == counts[0], (action, counts)
 
 
+_WARNED_ONCE_A_LINE = textwrap.dedent("""
+    import sys, warnings, torch, torch.nn.functional as F
+    shown = []
+    warnings.showwarning = lambda message, *args, **kwargs: shown.append(str(message))
+    for n in range(2, 10):  # (a new signature each time: the client infers its results' shapes)
+        x = torch.randn(n, 3, device=sys.argv[1])
+        F.dropout2d(x, 0.5, training=True)  # (a 2-D input: PyTorch's deprecation warning)
+        torch.add(x, 1, out=torch.empty(0, device=sys.argv[1]))
+        torch.cumsum(x, 0).sum().item()
+    print(sum("dropout2d" in line for line in shown))
+""")
+
+
+@pytest.mark.parametrize("where", ["cpu", "gpuwire"])
+def test_a_library_warning_is_shown_once_a_line_as_locally(node, where):
+    """Python shows a warning once for each line that raises it, by default; between two of the
+    program's calls the client's shape inference on a signature's first call changed the filters
+    (to ignore its meta kernels' warnings), which makes Python forget what it showed: the
+    deprecation of a 2-D input to ``F.dropout2d`` (pytorch/examples' mnist_hogwild) was shown at
+    each step of the warm-up."""
+    run = subprocess.run([sys.executable, "-c", _WARNED_ONCE_A_LINE, where], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "GPUWIRE_NODE": node.address})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["1"]
+
+
 def test_assert_async_checks_as_a_gpu_does(device):
     """``torch._assert_async`` (``torch._check`` in exported programs, jagged nested tensors)
     was refused by the node, even when its condition held. As on CUDA its size is checked at

@@ -24,6 +24,7 @@ import math
 import os
 import sys
 import threading
+import re
 import warnings
 import weakref
 from itertools import chain
@@ -341,6 +342,32 @@ class _KernelWarningsQuiet:
 _QUIET = _KernelWarningsQuiet()
 
 
+class _PythonWarningsIgnored:
+    """``with _PythonWarningsIgnored(filter):``: Python warnings (all, or those ``filter``, a
+    ``warnings.filters`` entry, ignores) raised in between are dropped, as ``warnings.catch_warnings()``
+    with an "ignore" filter drops them, but without telling the warnings machinery that its
+    filters changed: that clears every module's record of warnings already shown, so a
+    program's once-a-line warning (a deprecation in ``torch.nn.functional``) was shown again
+    after each first call of an op signature here, where a local run shows it once. Warnings
+    reads ``warnings.filters`` at each call, so a filter put in front of the list takes effect;
+    it is taken out of the list it was put in (another thread's ``catch_warnings`` swaps lists)."""
+
+    __slots__ = ("_filter", "_filters")
+
+    def __init__(self, ignore_filter: tuple = ("ignore", None, Warning, None, 0)):
+        self._filter = ignore_filter
+
+    def __enter__(self):
+        self._filters = warnings.filters
+        self._filters.insert(0, self._filter)
+
+    def __exit__(self, *exc):
+        try:
+            self._filters.remove(self._filter)
+        except ValueError:  # (a program that reset the list in between)
+            pass
+
+
 def _make_plan(op):
     special = SPECIAL.get(op)
     if special is not None:
@@ -599,8 +626,7 @@ class MutatingPlan:
         sync point, charged to an unrelated line. False when the meta kernel (on a CPU node, the
         fake CPU kernel too) refuses the call: it then runs with a reply, which raises the
         node's own error here. Accepted signatures are remembered (a dict lookup a call)."""
-        with warnings.catch_warnings():  # a meta kernel that resizes ``self`` warns: that is an error here
-            warnings.simplefilter("ignore")
+        with _PythonWarningsIgnored():  # a meta kernel that resizes ``self`` warns: that is an error here
             entry = self.checker._compute(args, kwargs)
         if entry is None or _dtypes_unproven(self.name, args, kwargs):
             return False
@@ -667,8 +693,7 @@ class MutatingPlan:
             if any(out is a for a in args):
                 if self._cannot_take_result(op, args, kwargs, out):
                     return False  # also read by the op: it may not be resized
-                with warnings.catch_warnings():  # (the meta kernel warns that it resized it)
-                    warnings.simplefilter("ignore")
+                with _PythonWarningsIgnored():  # (the meta kernel warns that it resized it)
                     entry = self.checker.outputs(op, args, kwargs)
                 if isinstance(entry, _MetaEntry) and position < len(entry.out_shapes):
                     expected = entry.out_shapes[position]
@@ -750,6 +775,7 @@ class MutatingPlan:
 
 
 _RESIZED_WARNING = "An output with one or more elements was resized"
+_RESIZE_WARNINGS = ("ignore", re.compile(re.escape(_RESIZED_WARNING), re.I), Warning, None, 0)
 
 
 # out= kernels whose CPU and CUDA kernels resize with ``resize_`` (silently), where their meta
@@ -924,8 +950,7 @@ class FunctionalPlan:
         except TypeError:  # an unhashable argument: no caching
             key = entry = None
         if entry is None:
-            with warnings.catch_warnings():  # (a meta out= kernel's resize warning: ``_warn_resized`` says it)
-                warnings.filterwarnings("ignore", _RESIZED_WARNING)
+            with _PythonWarningsIgnored(_RESIZE_WARNINGS):  # (a meta out= kernel's resize warning: ``_warn_resized`` says it)
                 entry = self._compute(args, kwargs)
             if key is not None and entry is not None and not _has_host_mask(args, kwargs):
                 if len(self.cache) >= _CACHE_MAX:
