@@ -15,6 +15,7 @@ import hmac
 import logging
 import os
 import secrets
+import select
 import ssl
 import socket
 import threading
@@ -578,6 +579,8 @@ class NodeServer:
             if session.taking_over:
                 raise ConnectionError("its client reconnected: the session goes on there")
             if starved:
+                if session.has_dying and not select.select((sock,), (), (), 0)[0]:
+                    session.bury()  # nothing to run: deallocate what the last Free let go of now
                 # a frame that started must finish within frame_timeout: bytes trickling in
                 # without ever completing a command do not hold a slot
                 wait = frame_timeout if conn.mid_frame else idle_timeout

@@ -67,6 +67,10 @@ _free_weak_ref = torch.UntypedStorage._free_weak_ref
 # freed CPU-backend blocks of 1 MiB and more, kept for reuse by the next allocation of the same
 # size (what a CUDA device's caching allocator does); shared by the node's sessions, which see
 # only zeroed or fully overwritten memory either way (``allocate``). _memory.py says why.
+# freed objects wait for the connection's idle moment (``Session.bury``) up to these: a step's
+# small tensors, never enough memory to matter (an allocation that fails on a GPU buries first)
+DYING_BYTES_LIMIT = 64 << 20
+DYING_OBJECTS_LIMIT = 4096
 HOST_STORAGES = StorageCache(max_bytes=1 << 30, min_bytes=1 << 20)
 _CACHED_FROM = HOST_STORAGES.min_bytes
 # in-place ops that write every element of ``self`` and read none: a fresh storage they fill
@@ -207,6 +211,9 @@ class Session:
         # (weak ref to the handle storage, output, inputs, bytes the graph saved)
         self._kept: dict = {}
         self._sweep_kept_above = 64
+        # freed storages, views and graphs not yet deallocated, and their bytes (``_free``)
+        self._dying: list = []
+        self._dying_bytes = 0
         self.precision: tuple = ()  # math-mode setter calls for this session's ops (``ops._precision``)
         # the C++ helpers of its hot path (node/native.py) where they are installed, else Python's
         helpers = node_native.module
@@ -399,9 +406,16 @@ class Session:
     def _free(self, storage_ids: list) -> None:
         """``Free``: each storage, its graph kept for a backward, its cached views (which hold
         references to it) and its bytes; one loop with its lookups hoisted, since a client frees
-        a few hundred storages at a time, about one an op (a method call each was half of it)."""
+        a few hundred storages at a time, about one an op (a method call each was half of it).
+
+        The storages, views and graphs leave the session's tables and accounts here, but their
+        objects go to ``_dying``, deallocated by ``bury`` when the connection finds nothing to
+        run: their destructors (a Python tensor each, a malloc'd block, an autograd graph) were
+        ~1 ms of a GPT-2 step's node thread, on its critical path (docs/performance.md "Session 41")."""
         storages_pop, views_pop, view_keys_pop = self.storages.pop, self._views.pop, self._view_keys.pop
         live_discard, kept, cache_on_free = self._live_ptrs.discard, self._kept, self._cache_on_free
+        dying = self._dying
+        keep_dying = dying.append
         freed = 0
         try:
             for sid in storage_ids:
@@ -416,16 +430,31 @@ class Session:
                         live_discard(ptr)
                         if kept and ptr in kept:
                             self._drop_graph(ptr)
-                        if sid in cache_on_free:
+                        if sid in cache_on_free:  # (its views go now: the cache takes only a storage no one holds)
                             cache_on_free.discard(sid)
                             for data in view_keys_pop(sid, ()):
                                 views_pop(data, None)
                             HOST_STORAGES.release(storage)
                             continue
+                    keep_dying(storage)
                 for data in view_keys_pop(sid, ()):
-                    views_pop(data, None)
+                    keep_dying(views_pop(data, None))
         finally:
             self.bytes_in_use -= freed
+            self._dying_bytes += freed
+        if self._dying_bytes > DYING_BYTES_LIMIT or len(dying) > DYING_OBJECTS_LIMIT:
+            self.bury()
+
+    @property
+    def has_dying(self) -> bool:
+        return bool(self._dying)
+
+    def bury(self) -> None:
+        """Deallocate what ``_free`` let go of (the connection calls it when nothing waits to run,
+        and before anything that measures or needs the device's memory)."""
+        if self._dying:
+            self._dying = []  # (the old list's objects go now, with it)
+            self._dying_bytes = 0
 
     def keep_graph(self, handle: torch.UntypedStorage, output, inputs: list, saved_bytes: int) -> None:
         """Keep an autograd graph for a backward to come, under its handle storage, charging what
@@ -455,6 +484,8 @@ class Session:
         if entry is not None:
             _free_weak_ref(entry[0])
             self.bytes_in_use -= entry[3]
+            self._dying.append(entry)  # (the graph's destructors run in ``bury``)
+            self._dying_bytes += entry[3]
 
     def allocate(self, storage_id: int, nbytes: int, zero: bool = True) -> None:
         if storage_id >= NODE_ID_BASE and not storage_id < self._next_node_id:
@@ -470,7 +501,13 @@ class Session:
         if self.device.type == "cpu":
             storage = HOST_STORAGES.allocate(nbytes)  # a recently freed block of that size, or a fresh one
         else:
-            storage = torch.empty(nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
+            try:
+                storage = torch.empty(nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
+            except torch.OutOfMemoryError:
+                if not self._dying:
+                    raise
+                self.bury()
+                storage = torch.empty(nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
         self._store(storage_id, storage)
         if nbytes >= _CACHED_FROM and self.device.type == "cpu":
             self._cache_on_free.add(storage_id)
@@ -518,6 +555,7 @@ class Session:
     def close(self) -> None:
         for ptr in list(self._kept):
             self._drop_graph(ptr)
+        self.bury()
         self.storages.clear()
         self._cache_on_free.clear()
         self._live_ptrs.clear()
@@ -1068,6 +1106,7 @@ class Session:
         self.applied_seq = max(self.applied_seq, event.last_seq)
 
     def _query(self, what: str):
+        self.bury()  # (what it reports, the device's memory above all, counts nothing freed as held)
         if what == "snapshot":
             return self.export_state()
         if what.startswith("migrate:") and self.migrate_hook is not None and self.lease_id is not None:
