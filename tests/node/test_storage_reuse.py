@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from gpuwire.client.runtime import Runtime
-from gpuwire.protocol.events import Free
+from gpuwire.protocol.events import Free, Op
 
 MiB = 1 << 20
 
@@ -60,7 +60,6 @@ def test_kernel_outputs_go_back_to_malloc_and_uploads_to_the_cache():
 
     from gpuwire.node.session import HOST_STORAGES
     from gpuwire.protocol import codec
-    from gpuwire.protocol.events import Op
 
     from .test_session_fast_paths import make_session, tensor, upload
 
@@ -147,3 +146,46 @@ def test_keep_freed_heap_applies_on_glibc():
     import platform
     expected = "True" if platform.libc_ver()[0] == "glibc" else "False"
     assert run.stdout.strip() == expected, run.stderr
+
+
+def test_a_freed_storage_leaves_the_accounts_at_once_and_memory_when_the_session_is_idle():
+    """``Free`` takes a storage out of the session's tables and bytes at once; its deallocation
+    (with its views' and kept graphs') waits for ``bury``, which the serving connection calls
+    when nothing waits to run (off a step's critical path), and every memory query calls first.
+    What waits is bounded (``DYING_BYTES_LIMIT``): a program freeing more in one go than that
+    gets it back without an idle moment."""
+    import gc
+    import weakref
+
+    import torch
+
+    from gpuwire.node import session as node_session
+    from gpuwire.protocol import codec
+
+    from .test_session_fast_paths import make_session, tensor, upload
+
+    f32 = codec.DTYPE_CODES["float32"]
+    session = make_session()
+    upload(session, 0x1000, torch.arange(6, dtype=torch.float32))
+    x = tensor(session, 0x1000, 0, (6,), (1,), f32)
+    session.handle(Op(seq=1, name="aten::mul.Tensor", args=[x, x], kwargs={}, outs=[[0x2000, 24, [6], [1], f32]]))
+    assert session.pending_error is None, session.pending_error
+    del x
+    product = weakref.ref(session.storages[0x2000])
+    in_use = session.bytes_in_use
+    session.handle(Free(seq=2, storage_ids=[0x2000]))
+    gc.collect()
+    assert 0x2000 not in session.storages and session.bytes_in_use == in_use - 24
+    assert product() is not None and session.has_dying  # (not deallocated yet)
+    assert session._query("memory")["bytes_in_use"] == in_use - 24
+    assert product() is None and not session.has_dying  # (a query buries first)
+
+    session.handle(Op(seq=3, name="aten::empty.memory_format", args=[[node_session.DYING_BYTES_LIMIT // 4 + 1]],
+                      kwargs={"dtype": torch.float32, "device": torch.device("cpu")},
+                      outs=[[0x3000, node_session.DYING_BYTES_LIMIT + 4, [node_session.DYING_BYTES_LIMIT // 4 + 1], [1], f32]]))
+    assert session.pending_error is None, session.pending_error
+    big = weakref.ref(session.storages[0x3000])
+    session.handle(Free(seq=4, storage_ids=[0x3000]))
+    gc.collect()
+    assert big() is None and not session.has_dying  # (past the bound: deallocated at once)
+    session.close()
