@@ -1,8 +1,10 @@
 """Device tensors crossing processes, as a CUDA training script passes them; run under
 ``gpuwire run`` by test_sharing.py. Prints one line: RESULTS <json>."""
 import json
+import os
 import pickle
 import sys
+import warnings
 from multiprocessing.reduction import ForkingPickler
 
 import torch
@@ -44,8 +46,11 @@ if __name__ == "__main__":
     tensor = torch.arange(3.0, device="cuda")
     parameter = torch.nn.Parameter(torch.ones(2, device="cuda"))
     children = [spawn.Process(target=doubled, args=(rank, tensor, parameter, queue)) for rank in range(2)]
-    for child in children:
-        child.start()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for child in children:
+            child.start()
+    results["copy warnings, not shared"] = [str(w.message) for w in said]
     results["arguments"] = sorted(queue.get(timeout=120) for _ in children)
     sender = spawn.Process(target=send_back, args=(queue,))
     sender.start()
@@ -56,6 +61,15 @@ if __name__ == "__main__":
     for child in children + [sender]:
         child.join(60)
     results["exit codes"] = [child.exitcode for child in children + [sender]]
+    hogwild = torch.nn.Linear(2, 2).cuda()
+    hogwild.share_memory()  # (Hogwild training: the program expects the children's writes)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        trainer = spawn.Process(target=doubled, args=(0, hogwild.bias, hogwild.weight, queue))
+        trainer.start()
+    queue.get(timeout=120)
+    trainer.join(60)
+    results["copy warnings, shared"] = [[str(w.message), os.path.basename(w.filename)] for w in said]
     try:
         ForkingPickler.dumps(torch.ones(2, device="cuda", requires_grad=True) * 2)
         results["non-leaf"] = "pickled"

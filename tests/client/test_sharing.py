@@ -56,3 +56,15 @@ def test_plain_pickle_still_round_trips(results):
 def test_a_forked_child_using_its_parents_device_tensor_gets_cudas_error(results):
     kind, message = results["fork"]
     assert kind == "error" and "Cannot re-initialize CUDA in forked subprocess" in message and "spawn" in message
+
+
+def test_a_tensor_made_shared_says_it_crosses_as_a_copy(results):
+    """Hogwild training (``model.share_memory()``, the model passed to spawned trainers:
+    pytorch/examples' mnist_hogwild) expects the trainers' writes in the parent, as CUDA IPC
+    gives them; gpuwire's processes each hold a copy, so the program is told so, once, at its
+    own line (it went on silently and tested an untrained model). Tensors not made shared
+    cross without a word."""
+    assert results["copy warnings, not shared"] == []
+    [(message, where)] = results["copy warnings, shared"]
+    assert message.startswith("gpuwire: a device tensor made shared with share_memory_()") and "copy" in message
+    assert where == "multiprocess_probe.py"

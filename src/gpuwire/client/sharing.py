@@ -10,16 +10,27 @@ tensor crosses as its bytes: the sender downloads them into the pickle itself, t
 uploads them into its own session on the same device. (Not as a CPU tensor in shared memory:
 nothing would keep that host copy alive until a spawned child opened it, and spawn refused its
 closed file descriptor.) What crosses is a copy: unlike CUDA IPC, a write on one side is not seen
-on the other (docs/compatibility.md).
+on the other (docs/compatibility.md). A tensor the program made shared (``share_memory_()``,
+``Module.share_memory()``: Hogwild training) says so when it crosses, once a process: the
+program expects the other process's writes, and would otherwise go on silently without them.
 """
 
 from __future__ import annotations
+
+import sys
+import warnings
 
 import torch
 
 from .wire import DEVICE_TYPE, on_device
 
 _installed = False
+_MARKED_SHARED = "_gpuwire_shared"  # attribute set on a device tensor by ``share_memory_()``
+_warned_of_copies = False
+_NOT_SHARED = ("gpuwire: a device tensor made shared with share_memory_() (Module.share_memory(): "
+               "Hogwild training) reached another process as a copy: writes made there are not seen "
+               "here, as they would be through CUDA IPC on a local GPU. Train in one process, or in "
+               "several with DistributedDataParallel (torchrun), whose gradients gpuwire all-reduces")
 
 
 def _host_bytes(host: torch.Tensor) -> bytes:
@@ -51,9 +62,32 @@ def _reduce_tensor(tensor: torch.Tensor, original):
             "Cowardly refusing to serialize non-leaf tensor which requires_grad, since autograd does not "
             "support crossing process boundaries.  If you just want to transfer the data, call detach() on "
             "the tensor before serializing (e.g., putting it on the queue).")
+    if getattr(tensor, _MARKED_SHARED, False):
+        _say_it_is_a_copy()
     host = tensor.detach().cpu()
     return _rebuild_tensor, (_host_bytes(host), host.dtype, tuple(host.shape), _device_index(tensor),
                              tensor.requires_grad, isinstance(tensor, torch.nn.Parameter))
+
+
+def _say_it_is_a_copy() -> None:
+    global _warned_of_copies
+    if not _warned_of_copies:
+        _warned_of_copies = True
+        warnings.warn(_NOT_SHARED, UserWarning, stacklevel=_programs_frame_level())
+
+
+def _programs_frame_level() -> int:
+    """The ``stacklevel`` of the program's line that sent the tensor (``Process.start()``,
+    ``queue.put``...), past the pickling machinery; the process's first frame where it cannot tell."""
+    import multiprocessing
+    import os
+    machinery = tuple(os.path.dirname(module.__file__) + os.sep for module in (multiprocessing, torch))
+    machinery += (os.path.dirname(os.path.dirname(__file__)) + os.sep,)  # (gpuwire)
+    frame, level = sys._getframe(2), 2  # (``_say_it_is_a_copy``'s caller: its level 2)
+    while frame is not None and frame.f_back is not None and (
+            frame.f_code.co_filename.startswith(machinery) or frame.f_code.co_filename.startswith("<")):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _device_index(tensor: torch.Tensor):
@@ -85,6 +119,16 @@ def install() -> None:
     def reduce_storage(storage):
         return _reduce_storage(storage, original_storage)
 
+    original_share_memory = torch.Tensor.share_memory_
+
+    def share_memory_(self):
+        if on_device(self):
+            setattr(self, _MARKED_SHARED, True)  # (a device tensor is no CPU one to move into shared memory)
+            return self
+        return original_share_memory(self)
+
+    share_memory_.__doc__ = original_share_memory.__doc__
+    torch.Tensor.share_memory_ = share_memory_
     for cls, reducer in list(ForkingPickler._extra_reducers.items()):
         if reducer is original_tensor:
             ForkingPickler.register(cls, reduce_tensor)
