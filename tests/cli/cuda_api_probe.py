@@ -101,6 +101,33 @@ def warnings_at_the_programs_line():
 check("C++ warnings shown at the program's line", warnings_at_the_programs_line)
 
 
+def python_warnings_at_the_callers_line():
+    """A torch function written in Python warns of its caller's arguments (``stacklevel=2``):
+    under the mode that named ``__torch_function__``'s frame or torch's own line, so two
+    calling lines were warned once, and a ``module=`` filter of the program never matched."""
+    import warnings
+
+    import torch.nn.functional as F
+    x = torch.randn(4, 3, device="cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        F.dropout2d(x, 0.25)  # (a 2-D input: deprecated)
+        F.dropout2d(x, 0.25)
+    lines = [(w.filename, w.lineno) for w in caught if "dropout2d" in str(w.message)]
+    here = python_warnings_at_the_callers_line.__code__.co_firstlineno
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="dropout2d", module="__main__")
+        try:
+            F.dropout2d(x, 0.25)
+            filtered = False
+        except UserWarning:
+            filtered = True
+    return lines == [(__file__, here + 10), (__file__, here + 11)] and filtered
+
+
+check("Python warnings shown at the caller's line", python_warnings_at_the_callers_line)
+
+
 def memory_queries_of_torch_2_13():
     """Memory functions newer scripts call; each raised AttributeError for a missing torch._C
     function before session 40."""

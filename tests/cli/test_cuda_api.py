@@ -36,6 +36,7 @@ WORKS = ["is_available", "device_count", "get_device_name", "get_device_properti
          "set_per_process_memory_fraction", "torch.cuda.device / device_of / StreamContext",
          "synchronize('cpu') refused", "device mismatch messages name cuda:0",
          "streams are distinct; _cuda_setStream", "C++ warnings shown at the program's line",
+         "Python warnings shown at the caller's line",
          "get_per_process_memory_fraction, memory_stats_as_nested_dict, device_memory_used",
          "torch._refs / prims / torch.nested on cuda tensors", "torch.export of a model on cuda tensors",
          "is_current_stream_capturing", "can_device_access_peer / get_allocator_backend",

@@ -281,6 +281,51 @@ def _patch_warning_locations() -> None:
         return show(message)
 
     warnings._showwarnmsg = show_at_the_programs_line
+    warnings.warn = _warn_past_the_mode(warnings.warn)
+
+
+def _warn_past_the_mode(warn):
+    """A torch function written in Python (``F.dropout2d``, ``F.softmax``...) runs twice under
+    the mode: it hands itself to ``handle_torch_function``, which calls this module's
+    ``__torch_function__``, which calls it again. Its ``warnings.warn(..., stacklevel=2)`` (a
+    deprecation of the caller's arguments) then named ``__torch_function__``'s line, or the
+    function's own: shown at torch's line, deduplicated for all callers as one, outside a
+    program's ``module=`` filters. Counted past those three frames, the level names the line a
+    run without gpuwire names."""
+    mode_code = CudaToGpuwire.__torch_function__.__code__
+    overrides_file = sys.modules["torch.overrides"].__file__
+
+    def past_the_mode(frame):
+        """The frame that called ``frame``'s function, as if there were no mode in between."""
+        caller = frame.f_back
+        if caller is None or caller.f_code is not mode_code:
+            return caller, False
+        caller = caller.f_back
+        while caller is not None and caller.f_code.co_filename == overrides_file:
+            caller = caller.f_back
+        if caller is not None and caller.f_code is frame.f_code:  # (the first call of the same function)
+            caller = caller.f_back
+        return caller, True
+
+    @functools.wraps(warn)
+    def warn_past_the_mode(message, category=None, stacklevel=1, *args, **kwargs):
+        if not isinstance(stacklevel, int) or stacklevel < 2:
+            return warn(message, category, stacklevel + 1 if isinstance(stacklevel, int) else stacklevel,
+                        *args, **kwargs)
+        frame, moved = sys._getframe(1), False
+        for _ in range(stacklevel - 1):
+            if frame is None:
+                break
+            frame, skipped = past_the_mode(frame)
+            moved = moved or skipped
+        if not moved or frame is None:
+            return warn(message, category, stacklevel + 1, *args, **kwargs)
+        level, walk = 1, sys._getframe(0)
+        while walk is not None and walk is not frame:
+            walk, level = walk.f_back, level + 1
+        return warn(message, category, level, *args, **kwargs)
+
+    return warn_past_the_mode
 
 
 def _jiterator_refused_when_called(name: str):
