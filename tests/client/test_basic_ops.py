@@ -325,6 +325,25 @@ def test_norms_of_half_input_with_float_weights_train_like_cpu(device, dtype, no
         assert local.dtype == remote.dtype and torch.equal(local, remote)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_norm_without_update_runs_as_on_cpu(device, dtype):
+    """``aten._batch_norm_no_update`` (an eval BatchNorm in PyTorch's training-IR and exported
+    graphs): ATen's only kernel calls ``batch_norm_cpu``, which raised "Expected tensor to have CPU
+    Backend" for a device tensor. Results bit for bit with CPU, its gradients too."""
+    torch.manual_seed(0)
+    x, weight, bias = torch.randn(4, 3, 5).to(dtype), torch.rand(3) + 0.5, torch.randn(3)
+    mean, var = torch.randn(3), torch.rand(3) + 0.1
+    results = []
+    for dev in ("cpu", device):
+        xi = x.to(dev).detach().requires_grad_()
+        outs = torch.ops.aten._batch_norm_no_update(xi, weight.to(dev), bias.to(dev), mean.to(dev), var.to(dev),
+                                                     0.1, 1e-5)
+        (outs[0].float() * torch.linspace(-1, 1, 5, device=dev)).sum().backward()
+        results.append([t.cpu() for t in (*outs, xi.grad)])
+    for local, remote in zip(*results):
+        assert local.shape == remote.shape and local.dtype == remote.dtype and torch.equal(local, remote)
+
+
 def test_large_downloads_recycle_warm_blocks_but_never_alias_a_live_tensor(device):
     """``y.cpu()`` of >= 8 MiB lands in a block freed by an earlier download of that size (no
     page faults); a block is reused only once nothing refers to its tensor."""

@@ -2690,6 +2690,10 @@ def register() -> None:
     _aten_library.impl("_nested_tensor_from_mask", _scripted_encoder_nested_batch, "PrivateUse1")
     _aten_library.impl("embedding_sparse_backward", _dense_embedding_gradient, "PrivateUse1")
     _aten_library.impl("_fused_moving_avg_obs_fq_helper", _observer_state_sized_per_channel, "PrivateUse1")
+    # (ATen's only kernel is a composite that calls ``batch_norm_cpu``: an eval BatchNorm in an
+    # exported or training-IR graph raised "Expected tensor to have CPU Backend"; the node runs it)
+    _aten_library.impl("_batch_norm_no_update", functools.partial(_fallback, aten._batch_norm_no_update.default),
+                       "PrivateUse1")
     for overload in ("default", "msg"):
         _aten_library.impl("_assert_async" if overload == "default" else f"_assert_async.{overload}", functools.partial(
             _assert_async_sized, getattr(aten._assert_async, overload)), "PrivateUse1")
