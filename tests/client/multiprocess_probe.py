@@ -1,7 +1,6 @@
 """Device tensors crossing processes, as a CUDA training script passes them; run under
 ``gpuwire run`` by test_sharing.py. Prints one line: RESULTS <json>."""
 import json
-import os
 import pickle
 import sys
 import warnings
@@ -23,6 +22,13 @@ class OnTheGpu(Dataset):
 def doubled(rank, tensor, parameter, queue):
     queue.put((rank, (tensor * 2).cpu().tolist(), str(tensor.device), type(parameter).__name__,
                parameter.requires_grad, parameter.cpu().tolist()))
+
+
+def hogwild_step(weight, bias, queue):
+    with torch.no_grad():  # (what each Hogwild trainer's optimizer does to the shared model)
+        weight.add_(1)
+        bias.mul_(2)
+    queue.put("stepped")
 
 
 def send_back(queue):
@@ -62,14 +68,19 @@ if __name__ == "__main__":
         child.join(60)
     results["exit codes"] = [child.exitcode for child in children + [sender]]
     hogwild = torch.nn.Linear(2, 2).cuda()
+    with torch.no_grad():
+        hogwild.weight.fill_(1)
+        hogwild.bias.fill_(3)
     hogwild.share_memory()  # (Hogwild training: the program expects the children's writes)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        trainer = spawn.Process(target=doubled, args=(0, hogwild.bias, hogwild.weight, queue))
-        trainer.start()
-    queue.get(timeout=120)
-    trainer.join(60)
-    results["copy warnings, shared"] = [[str(w.message), os.path.basename(w.filename)] for w in said]
+        trainers = [spawn.Process(target=hogwild_step, args=(hogwild.weight, hogwild.bias, queue)) for _ in range(2)]
+        for trainer in trainers:
+            trainer.start()
+            queue.get(timeout=120)
+            trainer.join(60)
+    results["hogwild"] = [hogwild.weight.tolist(), hogwild.bias.tolist(), [t.exitcode for t in trainers]]
+    results["copy warnings, shared"] = [str(w.message) for w in said]
     try:
         ForkingPickler.dumps(torch.ones(2, device="cuda", requires_grad=True) * 2)
         results["non-leaf"] = "pickled"

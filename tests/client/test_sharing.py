@@ -58,13 +58,40 @@ def test_a_forked_child_using_its_parents_device_tensor_gets_cudas_error(results
     assert kind == "error" and "Cannot re-initialize CUDA in forked subprocess" in message and "spawn" in message
 
 
-def test_a_tensor_made_shared_says_it_crosses_as_a_copy(results):
+def test_hogwild_trainers_update_the_parents_shared_model(results):
     """Hogwild training (``model.share_memory()``, the model passed to spawned trainers:
-    pytorch/examples' mnist_hogwild) expects the trainers' writes in the parent, as CUDA IPC
-    gives them; gpuwire's processes each hold a copy, so the program is told so, once, at its
-    own line (it went on silently and tested an untrained model). Tensors not made shared
-    cross without a word."""
+    pytorch/examples' mnist_hogwild ``--cuda``): on a GPU CUDA IPC shares the model, so the
+    parent sees its trainers' updates; each gpuwire process held a copy and the parent tested
+    an untrained model. Processes on one node now share the storage (two trainers, one after
+    the other: weight + 1 + 1, bias * 2 * 2), without a word."""
+    assert results["hogwild"] == [[[3.0, 3.0], [3.0, 3.0]], [12.0, 12.0], [0, 0]]
+    assert results["copy warnings, shared"] == []
     assert results["copy warnings, not shared"] == []
-    [(message, where)] = results["copy warnings, shared"]
-    assert message.startswith("gpuwire: a device tensor made shared with share_memory_()") and "copy" in message
-    assert where == "multiprocess_probe.py"
+
+
+_SHARED_THEN_ENDED = """
+import pickle, sys, warnings, torch, gpuwire
+from multiprocessing.reduction import ForkingPickler
+weight = torch.nn.Parameter(torch.arange(3.0, device="gpuwire"))
+weight.share_memory_()
+sent = ForkingPickler.dumps(weight)
+same = pickle.loads(sent)  # (a receiver on the same node: the same storage)
+with torch.no_grad():
+    same.add_(1)
+print(weight.tolist(), type(same).__name__)
+gpuwire.detach()  # (the sending session ends: what it shared is withdrawn)
+gpuwire.attach(sys.argv[1])
+with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")
+    copy = pickle.loads(sent)
+print(copy.tolist(), [str(w.message)[:60] for w in said])
+"""
+
+
+def test_a_shared_tensor_whose_sender_ended_arrives_as_a_copy_and_says_so(node):
+    run = subprocess.run([sys.executable, "-c", _SHARED_THEN_ENDED, node.address], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "GPUWIRE_NODE": node.address})
+    assert run.returncode == 0, run.stderr
+    shared, copied = run.stdout.splitlines()[-2:]
+    assert shared == "[1.0, 2.0, 3.0] Parameter"
+    assert copied == "[0.0, 1.0, 2.0] ['gpuwire: a device tensor made shared with share_memory_() (M']"

@@ -26,7 +26,9 @@ of every storage among its arguments (``forget_args``; schemas are not trusted f
 write of bytes (``Runtime.write``) or a device copy drops its target; anything else
 (``Runtime.submit``: resizes, generator commands; ``call_sync``) empties the table. Those
 that accounted for their writes queue with ``submit_fresh``. Storage ids
-are never reused within a session, so an entry cannot outlive its storage's identity.
+are never reused within a session, so an entry cannot outlive its storage's identity. A
+storage shared with another process (``Runtime.shared_storages``, client/sharing.py) is never
+mirrored: that process's writes are not seen here.
 """
 
 from __future__ import annotations
@@ -158,10 +160,13 @@ def _whole(t: torch.Tensor) -> bool:
 
 
 def _store(rt, t: torch.Tensor, host: torch.Tensor) -> None:
+    storage_id = t.untyped_storage().data_ptr()
+    if storage_id in rt.shared_storages:  # (another process writes it: nothing here sees those writes)
+        return
     mirror = rt.mirror
     if len(mirror) >= MAX_ENTRIES:
         evict_oldest(mirror)
-    mirror[t.untyped_storage().data_ptr()] = host.untyped_storage()
+    mirror[storage_id] = host.untyped_storage()
 
 
 def evict_oldest(table: dict) -> None:

@@ -199,6 +199,7 @@ class Runtime:
         # storage id -> CPU storage with the same bytes, for small integer/boolean tensors whose
         # values the client knows (``client/mirror.py``); emptied by anything that may write
         self.mirror: dict = {}
+        self.shared_storages: set = set()  # ids of storages shared with other processes (never mirrored)
         # storage id of a tiny predicate result -> the tiny tensor it was computed from, read
         # along with it (``mirror.note_input``)
         self.read_along: dict = {}
@@ -247,6 +248,7 @@ class Runtime:
         self._handshake(token, connect_timeout)
         self.recovery.started()
         self._pid = os.getpid()
+        self.shares_storages = False  # it adopted a storage another process shared (client/sharing.py)
         atexit.register(self._close_at_exit)
         # a multiprocessing child (a DataLoader worker, a spawned process) ends by os._exit,
         # which runs no atexit handler, but multiprocessing's finalizers: without a Goodbye the
@@ -259,6 +261,13 @@ class Runtime:
         """Say Goodbye when the program ends, so the node frees the session now rather than
         keeping it parked for a reconnect (never from a forked child: the session is the parent's)."""
         if os.getpid() == self._pid and self._dead is None:
+            if self.shares_storages:
+                # its writes to storages another process shares land before it is seen to end
+                # (``p.join()`` then a read in the parent: Hogwild training), as a CUDA context's do
+                try:
+                    self.synchronize()
+                except Exception:  # noqa: BLE001 - ending must never raise; the error was the program's to see
+                    pass
             self.close()
 
     # ------------------------------------------------------------ connection

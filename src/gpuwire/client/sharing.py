@@ -10,9 +10,11 @@ tensor crosses as its bytes: the sender downloads them into the pickle itself, t
 uploads them into its own session on the same device. (Not as a CPU tensor in shared memory:
 nothing would keep that host copy alive until a spawned child opened it, and spawn refused its
 closed file descriptor.) What crosses is a copy: unlike CUDA IPC, a write on one side is not seen
-on the other (docs/compatibility.md). A tensor the program made shared (``share_memory_()``,
-``Module.share_memory()``: Hogwild training) says so when it crosses, once a process: the
-program expects the other process's writes, and would otherwise go on silently without them.
+on the other (docs/compatibility.md). Except for a tensor the program made shared
+(``share_memory_()``, ``Module.share_memory()``: Hogwild training, whose trainers update the
+parent's model): its storage is shared by the node with the receiver's session when both
+processes use the same node, each side's writes the other's; elsewhere it crosses as a copy and
+says so, once a process (the program expects the other process's writes).
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ _installed = False
 _MARKED_SHARED = "_gpuwire_shared"  # attribute set on a device tensor by ``share_memory_()``
 _warned_of_copies = False
 _NOT_SHARED = ("gpuwire: a device tensor made shared with share_memory_() (Module.share_memory(): "
-               "Hogwild training) reached another process as a copy: writes made there are not seen "
-               "here, as they would be through CUDA IPC on a local GPU. Train in one process, or in "
-               "several with DistributedDataParallel (torchrun), whose gradients gpuwire all-reduces")
+               "Hogwild training) crossed between processes as a copy: the two processes do not use the "
+               "same gpuwire node (or the sender has ended), so writes made on one side are not seen on "
+               "the other, as they would be through CUDA IPC. Run both on one node (gpuwire run gives its "
+               "processes one), or train with DistributedDataParallel (torchrun)")
 
 
 def _host_bytes(host: torch.Tensor) -> bytes:
@@ -43,8 +46,11 @@ def _from_bytes(data: bytes, dtype: torch.dtype, shape) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
 
 
-def _rebuild_tensor(data: bytes, dtype, shape, index, requires_grad: bool, parameter: bool) -> torch.Tensor:
-    tensor = _from_bytes(data, dtype, shape).to(torch.device(DEVICE_TYPE, index))
+def _rebuild_tensor(data: bytes, dtype, shape, index, requires_grad: bool, parameter: bool,
+                    shared: tuple | None = None) -> torch.Tensor:
+    tensor = _adopt_shared(shared, dtype, shape) if shared is not None else None
+    if tensor is None:
+        tensor = _from_bytes(data, dtype, shape).to(torch.device(DEVICE_TYPE, index))
     if parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
     return tensor.requires_grad_(requires_grad)
@@ -62,11 +68,42 @@ def _reduce_tensor(tensor: torch.Tensor, original):
             "Cowardly refusing to serialize non-leaf tensor which requires_grad, since autograd does not "
             "support crossing process boundaries.  If you just want to transfer the data, call detach() on "
             "the tensor before serializing (e.g., putting it on the queue).")
-    if getattr(tensor, _MARKED_SHARED, False):
-        _say_it_is_a_copy()
-    host = tensor.detach().cpu()
+    host = tensor.detach().cpu()  # (also what a receiver on another node gets)
+    shared = _share(tensor) if getattr(tensor, _MARKED_SHARED, False) else None
     return _rebuild_tensor, (_host_bytes(host), host.dtype, tuple(host.shape), _device_index(tensor),
-                             tensor.requires_grad, isinstance(tensor, torch.nn.Parameter))
+                             tensor.requires_grad, isinstance(tensor, torch.nn.Parameter), shared)
+
+
+def _share(tensor: torch.Tensor) -> tuple | None:
+    """(secret, storage bytes, strides, offset) naming ``tensor``'s storage to the other sessions
+    of this node (the receiver adopts it: ``_adopt_shared``), or None where the node cannot."""
+    from . import device, mirror
+    rt, storage_id = device.runtime(), device.storage_id_of(tensor)
+    try:
+        secret = rt.query(f"share:{storage_id}")
+    except Exception:  # noqa: BLE001 - an older node: a copy, said so
+        _say_it_is_a_copy()
+        return None
+    rt.shared_storages.add(storage_id)
+    mirror.forget_storages(rt, [storage_id])
+    return secret, tensor.untyped_storage().nbytes(), tuple(tensor.stride()), tensor.storage_offset()
+
+
+def _adopt_shared(shared: tuple, dtype: torch.dtype, shape) -> torch.Tensor | None:
+    """The sender's storage itself, where this process's session is on the sender's node: each
+    side's writes are the other's, as through CUDA IPC. None (a copy, said so) elsewhere."""
+    from . import device
+    secret, nbytes, strides, offset = shared
+    rt = device.runtime()
+    storage_id = rt.reserve(nbytes)
+    try:
+        rt.query(f"adopt-shared:{secret}:{storage_id}")
+    except Exception:  # noqa: BLE001 - another node, or a sender that has ended
+        _say_it_is_a_copy()
+        return None
+    rt.shares_storages = True  # (its writes are finished before it exits: ``Runtime.close``)
+    rt.shared_storages.add(storage_id)
+    return device.wrap_storage(rt, storage_id, nbytes, tuple(shape), strides, dtype, offset)
 
 
 def _say_it_is_a_copy() -> None:

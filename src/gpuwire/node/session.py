@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import secrets
 import logging
 import sys
 import threading
@@ -67,6 +68,10 @@ _free_weak_ref = torch.UntypedStorage._free_weak_ref
 # freed CPU-backend blocks of 1 MiB and more, kept for reuse by the next allocation of the same
 # size (what a CUDA device's caching allocator does); shared by the node's sessions, which see
 # only zeroed or fully overwritten memory either way (``allocate``). _memory.py says why.
+# storages sessions shared with the other sessions of this node (``Session._share``): secret ->
+# (storage, device)
+SHARED_STORAGES: dict = {}
+_SHARED_LOCK = threading.Lock()
 # freed objects wait for the connection's idle moment (``Session.bury``) up to these: a step's
 # small tensors, never enough memory to matter (an allocation that fails on a GPU buries first)
 DYING_BYTES_LIMIT = 64 << 20
@@ -211,6 +216,7 @@ class Session:
         # (weak ref to the handle storage, output, inputs, bytes the graph saved)
         self._kept: dict = {}
         self._sweep_kept_above = 64
+        self._shared_tokens: list = []  # what this session shared (``_share``), withdrawn when it ends
         # freed storages, views and graphs not yet deallocated, and their bytes (``_free``)
         self._dying: list = []
         self._dying_bytes = 0
@@ -553,6 +559,10 @@ class Session:
         return False
 
     def close(self) -> None:
+        with _SHARED_LOCK:
+            for token in self._shared_tokens:
+                SHARED_STORAGES.pop(token, None)
+        self._shared_tokens.clear()
         for ptr in list(self._kept):
             self._drop_graph(ptr)
         self.bury()
@@ -1105,6 +1115,36 @@ class Session:
             self._next_node_id = max(self._next_node_id, event.next_node_id)
         self.applied_seq = max(self.applied_seq, event.last_seq)
 
+    def _share(self, storage_id: str) -> str:
+        """``share:<id>``: a secret naming this storage to the other sessions of this node (a
+        tensor the program made shared, sent to another process: Hogwild training), valid while
+        this session lives."""
+        try:
+            storage = self.storages[int(storage_id)]
+        except (ValueError, KeyError):
+            raise SessionError(f"share of an unknown storage {storage_id!r}") from None
+        token = secrets.token_hex(16)
+        with _SHARED_LOCK:
+            SHARED_STORAGES[token] = (storage, self.device)
+        self._shared_tokens.append(token)
+        return token
+
+    def _adopt_shared(self, token: str, storage_id: str) -> None:
+        """``adopt-shared:<secret>:<id>``: the storage another session of this node shared, under a
+        fresh id of this one's; each side's writes are the other's (as CUDA IPC's are)."""
+        with _SHARED_LOCK:
+            entry = SHARED_STORAGES.get(token)
+        if entry is None or entry[1] != self.device:
+            raise SessionError("unknown shared storage: it was shared on another node, or by a process that "
+                               "has ended")
+        try:
+            sid = int(storage_id)
+        except ValueError:
+            raise SessionError(f"malformed storage id {storage_id!r}") from None
+        if sid in self.storages or not 0 < sid < NODE_ID_BASE:
+            raise SessionError(f"storage id {sid:#x} is taken or out of range")
+        self._store(sid, entry[0])
+
     def _query(self, what: str):
         self.bury()  # (what it reports, the device's memory above all, counts nothing freed as held)
         if what == "snapshot":
@@ -1138,6 +1178,11 @@ class Session:
             return None
         if what == "node" and self.node_info is not None:
             return self.node_info()
+        if what.startswith("share:"):
+            return self._share(what[len("share:"):])
+        if what.startswith("adopt-shared:"):
+            token, _, storage_id = what[len("adopt-shared:"):].partition(":")
+            return self._adopt_shared(token, storage_id)
         if what.startswith("lease-token:") and self.lease_id is not None:
             claims = self.token_verifier(what[len("lease-token:"):])
             if claims.get("lease") != self.lease_id:
