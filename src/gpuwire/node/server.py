@@ -575,11 +575,13 @@ class NodeServer:
         # ``frame_timeout`` to finish from there (from the last complete one, a session idle for
         # longer than that was dropped as soon as a command reached it in two pieces)
         frame_started = None
+        arrived = select.poll()  # (not select.select: a busy node's descriptors pass 1024)
+        arrived.register(sock, select.POLLIN)
         while True:
             if session.taking_over:
                 raise ConnectionError("its client reconnected: the session goes on there")
             if starved:
-                if session.has_dying and not select.select((sock,), (), (), 0)[0]:
+                if session.has_dying and not arrived.poll(0):
                     session.bury()  # nothing to run: deallocate what the last Free let go of now
                 # a frame that started must finish within frame_timeout: bytes trickling in
                 # without ever completing a command do not hold a slot
