@@ -589,6 +589,7 @@ def default_generators():
 check("torch.cuda.default_generators", default_generators)
 check("nn.DataParallel", lambda: torch.nn.DataParallel(torch.nn.Linear(4, 4)).cuda()(torch.randn(2, 4)).shape[0])
 check("torch.cuda.graphs", lambda: torch.cuda.CUDAGraph())
+check("torch.cuda.MemPool", lambda: torch.cuda.MemPool())
 check("torch.compile", lambda: torch.compile(torch.nn.Linear(2, 2).cuda())(torch.ones(1, 2, device="cuda")).shape[1])
 
 

@@ -78,8 +78,9 @@ def test_reference_ops_and_nested_factories_make_cuda_tensors(results):
 
 
 def test_cuda_graphs_fail_with_a_clear_message(results):
-    assert not results["torch.cuda.graphs"]["ok"]
-    assert "not supported by gpuwire" in results["torch.cuda.graphs"]["error"]
+    for refused in ("torch.cuda.graphs", "torch.cuda.MemPool"):  # (MemPool: graphs' private memory)
+        assert not results[refused]["ok"]
+        assert "not supported by gpuwire" in results[refused]["error"]
 
 
 def test_storage_cuda_in_map_location_loads_onto_the_remote_gpu(results):

@@ -419,7 +419,18 @@ def _cuda_functions() -> dict:
                               "call PyTorch's ops (torch.matmul, torch.linalg), which run on the remote GPU")
            for name in ("current_blas_handle", "current_solver_handle")},
         "graph_pool_handle": _unsupported("torch.cuda.graph_pool_handle (CUDA graphs)", "run the model eagerly"),
+        # (transformers' continuous batching with CUDA graphs makes one: PyTorch's placeholder said
+        # "Tried to instantiate dummy base class MemPool")
+        "MemPool": _MemPool,
+        "use_mem_pool": _unsupported("torch.cuda.use_mem_pool (a private pool of the local CUDA allocator)",
+                                     "allocate as usual: gpuwire manages the remote GPU's memory"),
     }
+
+
+class _MemPool:
+    def __init__(self, *args, **kwargs):
+        _unsupported("torch.cuda.MemPool (a private pool of the local CUDA allocator, for CUDA graphs and "
+                     "custom allocators)", "allocate as usual: gpuwire manages the remote GPU's memory")()
 
 
 def _synchronize(device=None) -> None:
