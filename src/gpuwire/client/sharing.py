@@ -49,11 +49,13 @@ def _from_bytes(data: bytes, dtype: torch.dtype, shape) -> torch.Tensor:
 def _rebuild_tensor(data: bytes, dtype, shape, index, requires_grad: bool, parameter: bool,
                     shared: tuple | None = None) -> torch.Tensor:
     tensor = _adopt_shared(shared, dtype, shape) if shared is not None else None
-    if tensor is None:
+    adopted = tensor is not None
+    if not adopted:
         tensor = _from_bytes(data, dtype, shape).to(torch.device(DEVICE_TYPE, index))
-    if parameter:
-        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
-    return tensor.requires_grad_(requires_grad)
+    tensor = torch.nn.Parameter(tensor, requires_grad=requires_grad) if parameter else tensor.requires_grad_(requires_grad)
+    if adopted:  # (shared on: a trainer that hands it to a process of its own)
+        setattr(tensor, _MARKED_SHARED, True)
+    return tensor
 
 
 def _rebuild_storage(data: bytes, index) -> torch.UntypedStorage:
