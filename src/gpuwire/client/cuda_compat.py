@@ -423,14 +423,17 @@ def _cuda_functions() -> dict:
         # "Tried to instantiate dummy base class MemPool")
         "MemPool": _MemPool,
         "use_mem_pool": _unsupported("torch.cuda.use_mem_pool (a private pool of the local CUDA allocator)",
-                                     "allocate as usual: gpuwire manages the remote GPU's memory"),
+                                     _ALLOCATE_AS_USUAL),
     }
+
+
+_ALLOCATE_AS_USUAL = "allocate as usual: gpuwire manages the remote GPU's memory"
 
 
 class _MemPool:
     def __init__(self, *args, **kwargs):
         _unsupported("torch.cuda.MemPool (a private pool of the local CUDA allocator, for CUDA graphs and "
-                     "custom allocators)", "allocate as usual: gpuwire manages the remote GPU's memory")()
+                     "custom allocators)", _ALLOCATE_AS_USUAL)()
 
 
 def _synchronize(device=None) -> None:

@@ -22,9 +22,9 @@ import functools
 import logging
 import math
 import os
+import re
 import sys
 import threading
-import re
 import warnings
 import weakref
 from itertools import chain

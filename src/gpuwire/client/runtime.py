@@ -248,7 +248,6 @@ class Runtime:
         self._handshake(token, connect_timeout)
         self.recovery.started()
         self._pid = os.getpid()
-        self.shares_storages = False  # it adopted a storage another process shared (client/sharing.py)
         atexit.register(self._close_at_exit)
         # a multiprocessing child (a DataLoader worker, a spawned process) ends by os._exit,
         # which runs no atexit handler, but multiprocessing's finalizers: without a Goodbye the
@@ -261,7 +260,7 @@ class Runtime:
         """Say Goodbye when the program ends, so the node frees the session now rather than
         keeping it parked for a reconnect (never from a forked child: the session is the parent's)."""
         if os.getpid() == self._pid and self._dead is None:
-            if self.shares_storages:
+            if self.shared_storages:
                 # its writes to storages another process shares land before it is seen to end
                 # (``p.join()`` then a read in the parent: Hogwild training), as a CUDA context's do
                 try:

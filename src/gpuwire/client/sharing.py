@@ -103,8 +103,7 @@ def _adopt_shared(shared: tuple, dtype: torch.dtype, shape) -> torch.Tensor | No
     except Exception:  # noqa: BLE001 - another node, or a sender that has ended
         _say_it_is_a_copy()
         return None
-    rt.shares_storages = True  # (its writes are finished before it exits: ``Runtime.close``)
-    rt.shared_storages.add(storage_id)
+    rt.shared_storages.add(storage_id)  # (never mirrored; its writes are finished before it exits)
     return device.wrap_storage(rt, storage_id, nbytes, tuple(shape), strides, dtype, offset)
 
 

@@ -480,10 +480,9 @@ def _patch_safetensors(safetensors: types.ModuleType) -> None:
     safe_open._gpuwire_index_for_device = True
     safe_open.__doc__ = rust_safe_open.__doc__
     safetensors.safe_open = safe_open
-    for user in ("safetensors.torch",):
-        module = sys.modules.get(user)
-        if module is not None and getattr(module, "safe_open", None) is rust_safe_open:
-            module.safe_open = safe_open
+    loader = sys.modules.get("safetensors.torch")  # (already imported: it took the Rust one by name)
+    if loader is not None and getattr(loader, "safe_open", None) is rust_safe_open:
+        loader.safe_open = safe_open
 
 
 def install() -> None:
